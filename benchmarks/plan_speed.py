@@ -1,0 +1,64 @@
+"""Time planning one minibatch (default: 4,096 samples on 512 ranks, long-sft lengths, max_tokens 65,536).
+
+Run on one core:  taskset -c 0 python benchmarks/plan_speed.py
+Target: < 50 ms per plan for lb-mini and lb-micro.  Prints a table over --repeats minibatches (different seeds):
+median CPU time of this process (robust when other jobs share the core), median wall time and worst CPU time.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import platform
+import statistics
+import sys
+import time
+
+from ds_odc.balancer import plan_minibatch
+from ds_odc.balancer.presets import get_preset
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--samples", type=int, default=4096)
+    ap.add_argument("--ranks", type=int, default=512)
+    ap.add_argument("--max-tokens", type=int, default=65536)
+    ap.add_argument("--preset", default="long-sft")
+    ap.add_argument("--cost", default="tokens")
+    ap.add_argument("--repeats", type=int, default=20)
+    ap.add_argument("--planners", default="lb-mini,lb-micro,local-sort")
+    args = ap.parse_args(argv)
+
+    print("command:", " ".join([os.path.basename(sys.executable)] + sys.argv))
+    try:
+        cpus = sorted(os.sched_getaffinity(0))
+    except AttributeError:  # pragma: no cover
+        cpus = []
+    print(f"python {platform.python_version()} on {platform.machine()}, allowed cpus {cpus}")
+    print(f"{args.samples} samples ({args.preset}), {args.ranks} ranks, max_tokens {args.max_tokens}, cost {args.cost}")
+    print(f"{'planner':<12} {'cpu med ms':>10} {'wall med ms':>11} {'cpu max ms':>10} {'max mb/rank':>12}  target")
+    worst = 0.0
+    for name in args.planners.split(","):
+        cpu, wall = [], []
+        warm = get_preset(args.preset).sample(args.samples, seed=10_000).tolist()
+        plan_minibatch(warm, args.ranks, planner=name, max_tokens=args.max_tokens, cost=args.cost)  # warm-up
+        for rep in range(args.repeats):
+            lengths = get_preset(args.preset).sample(args.samples, seed=rep).tolist()
+            t0, c0 = time.perf_counter(), time.process_time()
+            plan = plan_minibatch(lengths, args.ranks, planner=name, max_tokens=args.max_tokens, cost=args.cost)
+            cpu.append(time.process_time() - c0)
+            wall.append(time.perf_counter() - t0)
+        med = statistics.median(cpu) * 1e3
+        if name != "local-sort":
+            worst = max(worst, med)
+        mbs = max(plan.num_microbatches(r) for r in range(args.ranks))
+        print(
+            f"{name:<12} {med:>10.1f} {statistics.median(wall) * 1e3:>11.1f} {max(cpu) * 1e3:>10.1f} {mbs:>12}  < 50 ms"
+        )
+    ok = worst < 50.0
+    print("PASS" if ok else "SLOWER THAN TARGET", f"(slowest balanced planner: median CPU {worst:.1f} ms)")
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

@@ -1,0 +1,326 @@
+"""k-way number partitioning: Karmarkar-Karp (largest differencing) followed by a local search.
+
+Given item costs and ``k`` bins, :func:`partition` returns ``k`` lists of item indices whose cost sums are close
+to each other; the objective is the largest bin (the makespan: the slowest rank sets the step time).
+
+Karmarkar-Karp, k-way (free sizes)
+    Every item starts as a k-tuple of bins holding only that item.  Repeatedly take the two tuples with the
+    largest *spread* (largest minus smallest bin) and merge them: the i-th heaviest bin of one joins the i-th
+    lightest bin of the other, so big bins absorb small ones and the spreads cancel.  The last tuple is the answer.
+    A tuple is stored sparsely (its non-empty bins in a min-heap plus its maximum), so merging a nearly-empty tuple
+    costs O(its bins * log k) rather than O(k): planning 4,096 samples on 512 ranks stays fast.
+
+    Above ``FREE_KK_MAX_ITEMS`` (1,024) items the free variant starts from the equal-size tuples below instead
+    (n/k merges done in numpy rather than n merges in Python: 4,096 items on 512 bins take ~1 ms instead of
+    ~14 ms); with n >> k singleton KK degenerates to greedy LPT anyway, and the local search's moves then free
+    the cardinalities.
+
+Karmarkar-Karp, equal sizes
+    Items are sorted and cut into consecutive groups of ``k``; each group is one full tuple (one item per bin), so
+    every merge keeps the bin cardinalities equal.  When ``k`` does not divide ``n`` the last group is padded with
+    zero-cost placeholders, hence bin sizes differ by at most one.
+
+Portfolio start (free sizes)
+    Greedy LPT is also run and used instead when it has the smaller maximum (rare, see tests), so the result is
+    never worse than LPT and inherits its bound: makespan <= (4/3 - 1/(3k)) * optimal.
+
+Local search
+    Take the heaviest bin ``H`` and try the other bins, lightest first: move one item from ``H`` (free sizes only,
+    and never emptying a bin) or swap one item of ``H`` with a cheaper one, choosing the exchange whose transferred
+    cost ``d`` is closest to half the gap, with ``0 < d < gap`` so both bins end below the old maximum.  Each step
+    strictly lowers the sum of squared bin costs, so the search terminates; it stops when ``H`` cannot be improved
+    or after ``max_evals`` bin pairs have been examined (default ``4 * k + 64``); a step examines at most
+    ``max_partners`` (default 16) partner bins and one examination costs O(|bin| log |bin|), so the search is
+    O((4k + 64) * (n/k) log(n/k)) at worst, never O(n^2).  On 4,096 items and 512 bins it cuts the gap to the mean
+    from ~3.7% (KK, which there behaves like greedy LPT) to ~0.03%.
+
+Ties are broken by item index everywhere, so the result is a deterministic function of ``(costs, k)``: every rank
+computes the same plan without communicating.
+"""
+
+from __future__ import annotations
+
+import heapq
+import math
+from bisect import bisect_left, insort
+from typing import Sequence
+
+import numpy as np
+
+__all__ = ["partition", "greedy_lpt", "makespan", "DEFAULT_MAX_PARTNERS"]
+
+DEFAULT_MAX_PARTNERS = 16
+FREE_KK_MAX_ITEMS = 1024
+
+
+def makespan(costs: Sequence[float], parts: Sequence[Sequence[int]]) -> float:
+    """Largest bin cost of a partition (0 for no bins)."""
+    return max((math.fsum(costs[i] for i in p) for p in parts), default=0.0)
+
+
+def _bin_max(c: list[float], bins: list[list[int]]) -> float:
+    return max(sum(c[i] for i in b) for b in bins)
+
+
+def greedy_lpt(costs: Sequence[float], k: int) -> list[list[int]]:
+    """Longest-processing-time-first greedy: each item (largest first) goes to the currently lightest bin.
+
+    The classic baseline (makespan at most 4/3 - 1/(3k) of optimal); kept for tests and comparisons.
+    """
+    c = [float(x) for x in costs]
+    order = sorted(range(len(c)), key=lambda i: (-c[i], i))
+    heap = [(0.0, b) for b in range(k)]
+    parts: list[list[int]] = [[] for _ in range(k)]
+    for i in order:
+        s, b = heapq.heappop(heap)
+        parts[b].append(i)
+        heapq.heappush(heap, (s + c[i], b))
+    return [sorted(p) for p in parts]
+
+
+def partition(
+    costs: Sequence[float],
+    k: int,
+    *,
+    equal_size: bool = False,
+    local_search: bool = True,
+    max_evals: int | None = None,
+    max_partners: int = DEFAULT_MAX_PARTNERS,
+) -> list[list[int]]:
+    """Split items ``0..n-1`` into ``k`` lists with near-equal cost sums.
+
+    Args:
+        costs: non-negative cost per item.
+        k: number of bins (>= 1).
+        equal_size: bin sizes differ by at most one (``n // k`` or ``n // k + 1`` items).  Otherwise sizes are
+            free, but no bin is empty when ``n >= k``.
+        local_search: run the exchange local search after Karmarkar-Karp.
+        max_evals: cap on local-search work: bin pairs examined (default ``4 * k + 64``).
+        max_partners: partner bins tried per local-search step, lightest first.
+
+    Returns:
+        ``k`` lists of item indices, each sorted ascending.  Every item appears exactly once.
+    """
+    if k < 1:
+        raise ValueError(f"k must be >= 1, got {k}")
+    c = [float(x) for x in costs]
+    n = len(c)
+    if any(not (x >= 0.0) or math.isinf(x) for x in c):  # also rejects NaN
+        raise ValueError("costs must be finite and non-negative")
+    if k == 1:
+        return [list(range(n))]
+    if n == 0:
+        return [[] for _ in range(k)]
+
+    if equal_size:
+        n_pad = -(-n // k) * k
+        # Placeholders n..n_pad-1 cost nothing; at most one lands in each bin.  They are dropped before the
+        # local search, whose 1-for-1 swaps then keep the sizes (q or q + 1) as they are.
+        bins = [[i for i in b if i < n] for b in _kk_equal(c + [0.0] * (n_pad - n), k)]
+        cc = c
+    else:
+        cc = c
+        if n <= FREE_KK_MAX_ITEMS:
+            bins = _kk_free(cc, k)
+        else:  # chunked start: n/k vectorised merges instead of n Python ones (moves in the local search free it)
+            n_pad = -(-n // k) * k
+            bins = [[i for i in b if i < n] for b in _kk_equal(cc + [0.0] * (n_pad - n), k)]
+        # Portfolio start: KK usually wins, but on a few instances (~0.1% of random ones) greedy LPT starts lower.
+        # Taking the better one costs O(n log k) and guarantees LPT's bound (4/3 - 1/(3k) of optimal).
+        lpt = greedy_lpt(cc, k)
+        if _bin_max(cc, lpt) < _bin_max(cc, bins):
+            bins = lpt
+    if local_search:
+        _local_search(
+            bins,
+            cc,
+            allow_moves=not equal_size,
+            max_evals=4 * k + 64 if max_evals is None else max_evals,
+            max_partners=max_partners,
+        )
+    return [sorted(b) for b in bins]
+
+
+# --------------------------------------------------------------------------------------------------------------
+# Karmarkar-Karp.  A tuple is (heap, mx, nnz) where ``heap`` is a min-heap of (bin sum, bin id) over its non-empty
+# bins and ``mx`` its largest bin sum; the missing k - nnz bins are empty (sum 0).  ``members[bin id]`` lists items.
+
+
+def _kk_free(c: list[float], k: int) -> list[list[int]]:
+    order = sorted(range(len(c)), key=lambda i: (-c[i], i))
+    members: list[list[int]] = [[i] for i in order]
+    # Heap entries: (-spread, seq, bins heap, max bin).  Singletons are already in heap order (spread = cost).
+    tuples = [(-c[i], seq, [(c[i], seq)], c[i]) for seq, i in enumerate(order)]
+    seq = len(order)
+    pop, push = heapq.heappop, heapq.heappush
+    while len(tuples) > 1:
+        _, _, ha, mxa = pop(tuples)
+        _, _, hb, mxb = pop(tuples)
+        h, mx = _merge(ha, mxa, hb, mxb, k, members)
+        push(tuples, ((h[0][0] if len(h) == k else 0.0) - mx, seq, h, mx))
+        seq += 1
+    h = tuples[0][2]
+    return [members[b] for _, b in h] + [[] for _ in range(k - len(h))]
+
+
+def _kk_equal(c: list[float], k: int) -> list[list[int]]:
+    """Equal-size KK on consecutive groups of ``k`` sorted items (``len(c)`` must be a multiple of ``k``).
+
+    All tuples are full, so a merge pairs the whole sorted bin arrays: done with numpy (O(k log k) per merge).
+    """
+    order = sorted(range(len(c)), key=lambda i: (-c[i], i))
+    members: list[list[int]] = [[i] for i in order]
+    tuples = []  # (-spread, seq, bin sums ascending, bin ids in the same order)
+    cost_sorted = np.asarray([c[i] for i in order], dtype=np.float64)
+    for t, start in enumerate(range(0, len(order), k)):
+        sums = cost_sorted[start : start + k][::-1].copy()  # ascending
+        ids = np.arange(start + k - 1, start - 1, -1)
+        tuples.append((float(sums[0] - sums[-1]), t, sums, ids))
+    heapq.heapify(tuples)
+    seq = len(tuples)
+    while len(tuples) > 1:
+        _, _, sa, ia = heapq.heappop(tuples)
+        _, _, sb, ib = heapq.heappop(tuples)
+        # heaviest bin of A with lightest of B: A descending + B ascending
+        sums = sa[::-1] + sb
+        ids = ia[::-1]
+        for x, y in zip(ids.tolist(), ib.tolist()):
+            members[x].extend(members[y])
+        o = np.argsort(sums, kind="stable")
+        sums, ids = sums[o], ids[o]
+        heapq.heappush(tuples, (float(sums[0] - sums[-1]), seq, sums, ids))
+        seq += 1
+    return [members[b] for b in tuples[0][3].tolist()]
+
+
+def _merge(ha: list, mxa: float, hb: list, mxb: float, k: int, members: list[list[int]]) -> tuple[list, float]:
+    """Largest-differencing merge of two sparse k-tuples (heaviest bin of one with lightest of the other).
+
+    With ``na + nb <= k`` non-empty bins every non-empty bin meets an empty one, so the tuples just concatenate.
+    Otherwise the ``r = na + nb - k`` lightest non-empty bins of each side meet, in opposite order (the heavier of
+    A's with the lighter of B's); the other bins meet empty bins and are unchanged.
+    """
+    if len(ha) < len(hb):
+        ha, mxa, hb, mxb = hb, mxb, ha, mxa
+    r = len(ha) + len(hb) - k
+    push = heapq.heappush
+    if r <= 0:
+        for e in hb:
+            push(ha, e)
+        return ha, (mxa if mxa >= mxb else mxb)
+    pop = heapq.heappop
+    a_low = [pop(ha) for _ in range(r)]  # ascending
+    b_low = [pop(hb) for _ in range(r)]
+    mx = mxa if ha else -math.inf
+    if hb and mxb > mx:
+        mx = mxb
+    for (sa, ba), (sb, bb) in zip(reversed(a_low), b_low):
+        members[ba].extend(members[bb])
+        s = sa + sb
+        if s > mx:
+            mx = s
+        push(ha, (s, ba))
+    for e in hb:
+        push(ha, e)
+    return ha, mx
+
+
+# --------------------------------------------------------------------------------------------------------------
+# Local search.
+
+
+def _local_search(
+    bins: list[list[int]],
+    c: list[float],
+    *,
+    allow_moves: bool,
+    max_evals: int,
+    max_partners: int,
+) -> int:
+    """Improve ``bins`` in place; returns the number of exchanges applied.
+
+    State: per bin its items and their costs, both sorted by cost (for bisection), and ``order``, the bins sorted
+    by (sum, bin id), updated by bisection after each exchange: a step costs O(k) memmove at worst, no sort.
+    """
+    k = len(bins)
+    items: list[list[int]] = []
+    icost: list[list[float]] = []
+    for b in bins:
+        srt = sorted(b, key=lambda i: (c[i], i))
+        items.append(srt)
+        icost.append([c[i] for i in srt])
+    sums = [math.fsum(cs) for cs in icost]
+    order = sorted((s, b) for b, s in enumerate(sums))
+    steps = evals = 0
+    while evals < max_evals:
+        top, h = order[-1]
+        tol = 1e-12 * top
+        hit = None
+        for s_p, p in order[:max_partners]:
+            gap = top - s_p
+            if gap <= tol or evals >= max_evals:
+                break
+            evals += 1
+            hit = _best_exchange(icost[h], icost[p], gap, tol, allow_moves)
+            if hit is not None:
+                break
+        if hit is None:
+            break
+        ja, jb = hit
+        a = items[h].pop(ja)
+        ca = icost[h].pop(ja)
+        d = ca
+        if jb is not None:
+            b = items[p].pop(jb)
+            cb = icost[p].pop(jb)
+            d -= cb
+            _insert(items[h], icost[h], b, cb)
+        _insert(items[p], icost[p], a, ca)
+        for key in ((top, h), (s_p, p)):
+            del order[bisect_left(order, key)]
+        sums[h] = top - d
+        sums[p] = s_p + d
+        insort(order, (sums[h], h))
+        insort(order, (sums[p], p))
+        steps += 1
+    for j in range(k):
+        bins[j] = items[j]
+    return steps
+
+
+def _best_exchange(
+    h_costs: list[float], p_costs: list[float], gap: float, tol: float, allow_moves: bool
+) -> tuple[int, int | None] | None:
+    """Best exchange between bins H and P given their sorted item costs.
+
+    Returns (position in H, position in P or None for a move) whose transferred cost d lies in
+    (tol, gap - tol) and is closest to gap / 2, or None.
+    """
+    half = gap / 2.0
+    hi = gap - tol
+    best: tuple[int, int | None] | None = None
+    best_err = math.inf
+    nh, np_ = len(h_costs), len(p_costs)
+    if allow_moves and nh > 1:
+        j = bisect_left(h_costs, half)
+        for jj in (j - 1, j):
+            if 0 <= jj < nh:
+                d = h_costs[jj]
+                if tol < d < hi and abs(d - half) < best_err:
+                    best, best_err = (jj, None), abs(d - half)
+    if np_:
+        for ja in range(nh):
+            ca = h_costs[ja]
+            j = bisect_left(p_costs, ca - half)
+            for jj in (j - 1, j):
+                if 0 <= jj < np_:
+                    d = ca - p_costs[jj]
+                    if tol < d < hi and abs(d - half) < best_err:
+                        best, best_err = (ja, jj), abs(d - half)
+    return best
+
+
+def _insert(items: list[int], costs: list[float], x: int, cx: float) -> None:
+    j = bisect_left(costs, cx)
+    items.insert(j, x)
+    costs.insert(j, cx)
