@@ -1,0 +1,38 @@
+"""ds_odc: On-Demand Communication for DeepSpeed ZeRO-3.
+
+``import ds_odc`` before building the model or calling ``deepspeed.initialize``; then
+``"zero_optimization": {"stage": 3, "odc": true}`` in the ds_config turns ODC on. Without the key DeepSpeed
+behaves exactly as stock.
+"""
+
+from __future__ import annotations
+
+__version__ = "0.1.0"
+
+_patched = False
+
+
+def patch() -> None:
+    """Teach DeepSpeed the ``odc`` key and hook its stage-3 optimizer construction. Idempotent; run at import."""
+    global _patched
+    if _patched:
+        return
+    from ds_odc.config import OdcZeroConfig
+    from ds_odc.zero import _deepspeed_privates as privates
+    from ds_odc.zero.optimizer import OdcOptimizer
+    from ds_odc.zero.validate import validate_engine
+
+    privates.check_deepspeed()
+    privates.install_config_model(OdcZeroConfig)
+    privates.install_optimizer_hook(OdcOptimizer, validate_engine)
+    _patched = True
+
+
+patch()
+
+from ds_odc.config import OdcConfig  # noqa: E402
+from ds_odc.loss import count_loss_tokens, global_mean_weight, token_loss_sum  # noqa: E402
+from ds_odc.ops.transport import FenceTimeout, OdcError  # noqa: E402
+
+__all__ = ["OdcConfig", "FenceTimeout", "OdcError", "patch", "global_mean_weight", "token_loss_sum",
+           "count_loss_tokens", "__version__"]

@@ -1,0 +1,64 @@
+"""The ``zero_optimization.odc`` config block.
+
+Users write either ``"odc": true`` or a sub-dict::
+
+    "zero_optimization": {"stage": 3, "odc": {"enabled": true, "transport": "auto", "timeout_s": 300}}
+
+The model follows DeepSpeed's own config models (pydantic, ``extra="forbid"``), so a misspelt key inside ``odc`` is
+an error at ``deepspeed.initialize`` (and at ``deepspeed.zero.Init``), like any other ZeRO key.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Literal
+
+from deepspeed.runtime.config_utils import DeepSpeedConfigModel
+from deepspeed.runtime.zero.config import DeepSpeedZeroConfig
+from pydantic import Field, field_validator
+
+
+class OdcConfig(DeepSpeedConfigModel):
+    """On-Demand Communication: one-sided parameter reads and gradient pushes, one meeting per optimizer step."""
+
+    enabled: bool = True
+    """Turn ODC on. ``"odc": true`` is shorthand for ``{"enabled": true}``."""
+
+    transport: Literal["auto", "shm", "nvshmem"] = "auto"
+    """``shm``: shared memory between the ranks of one host (CPU). ``nvshmem``: NVSHMEM symmetric memory (CUDA).
+    ``auto``: ``nvshmem`` when the ranks run on CUDA devices, else ``shm``."""
+
+    timeout_s: float = Field(300.0, gt=0)
+    """How long a rank waits at the optimizer-step fence for the others. A rank that has not arrived by then (or
+    has died) turns into an error on every other rank that names it, instead of a hang."""
+
+    force_remote_path: bool = False
+    """GPU only: never use NVLink peer pointers, only NVSHMEM get/put/signal (the path a multi-node job takes). For
+    testing that path on one host."""
+
+
+class OdcZeroConfig(DeepSpeedZeroConfig):
+    """DeepSpeed's ZeRO config plus the ``odc`` key. Installed in place of ``DeepSpeedZeroConfig`` by ``ds_odc.patch()``."""
+
+    odc: OdcConfig = Field(default_factory=lambda: OdcConfig(enabled=False))
+
+    @field_validator("odc", mode="before")
+    @classmethod
+    def _bool_shorthand(cls, value: Any) -> Any:
+        if isinstance(value, bool):
+            return {"enabled": value}
+        if value is None:
+            return {"enabled": False}
+        return value
+
+
+def odc_config_from_ds_config(ds_config: dict) -> OdcConfig:
+    """The ``odc`` block of a raw ds_config dict (what DeepSpeed hands its stage-3 optimizer)."""
+    return OdcZeroConfig(**ds_config.get("zero_optimization", {})).odc
+
+
+def odc_config_of(zero_config: Any) -> OdcConfig | None:
+    """The enabled ODC config of a parsed ZeRO config, or None when ODC is off (or the key was never installed)."""
+    odc = getattr(zero_config, "odc", None)
+    if odc is None or not odc.enabled:
+        return None
+    return odc

@@ -1,0 +1,30 @@
+"""Transports: how ODC moves parameter shards and gradient slices between ranks (see ``transport.py``)."""
+
+from __future__ import annotations
+
+import torch
+
+from ds_odc.ops.transport import FenceTimeout, OdcError, Segment, SymmetricBuffer, Transport
+
+__all__ = ["FenceTimeout", "OdcError", "Segment", "SymmetricBuffer", "Transport", "make_transport"]
+
+
+def make_transport(config, device: torch.device, process_group=None) -> Transport:
+    """Build the transport named by ``config.transport`` (an ``OdcConfig``) for ranks whose tensors live on
+    ``device``, over ``process_group`` (default: the world)."""
+    kind, timeout_s = config.transport, config.timeout_s
+    if kind == "auto":
+        kind = "nvshmem" if device.type == "cuda" else "shm"
+    if kind == "shm":
+        if device.type != "cpu":
+            raise ValueError(f"ds_odc: transport 'shm' works on CPU tensors only, but training runs on {device}. "
+                             "Set zero_optimization.odc.transport to 'nvshmem' or 'auto'.")
+        from ds_odc.ops.shm import ShmTransport
+        return ShmTransport(process_group, timeout_s)
+    if kind == "nvshmem":
+        if device.type != "cuda":
+            raise ValueError(f"ds_odc: transport 'nvshmem' needs CUDA tensors, but training runs on {device}. "
+                             "Set zero_optimization.odc.transport to 'shm' or 'auto'.")
+        from ds_odc.ops.nvshmem import NvshmemTransport
+        return NvshmemTransport(process_group, timeout_s, force_remote_path=config.force_remote_path)
+    raise ValueError(f"ds_odc: unknown transport {kind!r}; use 'auto', 'shm' or 'nvshmem'.")

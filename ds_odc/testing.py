@@ -1,0 +1,161 @@
+"""Helpers for multi-rank tests on CPU: launch N ranks under a hard timeout, and set each rank up to fail fast.
+
+Every distributed test goes through :func:`launch`, so no test can hang: the launcher kills the whole process
+group at the deadline, and :func:`init_cpu_distributed` gives the ranks a short process-group timeout and dumps
+Python stacks shortly before the deadline.
+"""
+
+from __future__ import annotations
+
+import faulthandler
+import json
+import os
+import signal
+import subprocess
+import sys
+from dataclasses import dataclass
+from datetime import timedelta
+from pathlib import Path
+
+RESULT_PREFIX = "ODC_RESULT "
+
+
+def cpu_env(extra: dict | None = None) -> dict:
+    """The environment CPU ranks want: one thread each, loopback only, CPU accelerator, a private JIT cache."""
+    root = Path(__file__).resolve().parent.parent
+    env = dict(os.environ)
+    env.update({
+        "OMP_NUM_THREADS": "1",
+        "GLOO_SOCKET_IFNAME": "lo",
+        "MASTER_ADDR": "127.0.0.1",
+        "DS_ACCELERATOR": "cpu",
+        "TORCH_EXTENSIONS_DIR": str(root / ".torch_ext"),
+        "PYTHONWARNINGS": "ignore",
+        "TOKENIZERS_PARALLELISM": "false",
+        "HF_HUB_OFFLINE": "1",
+    })
+    env["PYTHONPATH"] = os.pathsep.join(p for p in [str(root), env.get("PYTHONPATH", "")] if p)
+    env.update(extra or {})
+    return env
+
+
+@dataclass
+class LaunchResult:
+    returncode: int
+    stdout: str
+    stderr: str
+    results: list
+
+    @property
+    def result(self) -> dict:
+        if not self.results:
+            raise AssertionError(f"no {RESULT_PREFIX.strip()} line; rc={self.returncode}\n"
+                                 f"--- stdout ---\n{self.stdout[-4000:]}\n--- stderr ---\n{self.stderr[-6000:]}")
+        return self.results[-1]
+
+    def check(self) -> "LaunchResult":
+        if self.returncode != 0:
+            raise AssertionError(f"ranks failed: rc={self.returncode}\n--- stdout ---\n{self.stdout[-4000:]}\n"
+                                 f"--- stderr ---\n{self.stderr[-8000:]}")
+        return self
+
+
+def launch(script: str | os.PathLike, nproc: int = 2, args: list[str] | tuple = (), timeout: float = 240,
+           launcher: str = "torchrun", env: dict | None = None) -> LaunchResult:
+    """Run ``script`` on ``nproc`` CPU ranks and collect the JSON lines it printed with :func:`emit`.
+
+    ``launcher``: ``torchrun`` (``--standalone``), ``deepspeed`` (the DeepSpeed launcher), ``mpirun`` (DeepSpeed
+    discovers the ranks through mpi4py) or ``plain`` (N independent processes given RANK/WORLD_SIZE: no agent
+    tears the others down when one dies, so what the survivors do is visible). Everything is killed after
+    ``timeout`` seconds.
+    """
+    script = str(script)
+    if launcher == "plain":
+        return _launch_plain(script, nproc, args, timeout, env)
+    if launcher == "torchrun":
+        cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={nproc}", script]
+    elif launcher == "deepspeed":
+        cmd = [sys.executable, "-m", "deepspeed.launcher.runner", "--num_gpus", str(nproc), "--master_port",
+               str(_free_port()), script]
+    elif launcher == "mpirun":
+        mpirun = Path(sys.executable).with_name("mpirun")
+        cmd = [str(mpirun) if mpirun.exists() else "mpirun", "-n", str(nproc), sys.executable, script]
+    else:
+        raise ValueError(f"unknown launcher {launcher!r}")
+    cmd += [str(a) for a in args]
+    full_env = cpu_env(env)
+    full_env["ODC_TEST_DEADLINE_S"] = str(timeout)
+    proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=full_env,
+                            start_new_session=True)
+    try:
+        out, err = proc.communicate(timeout=timeout)
+    except subprocess.TimeoutExpired:
+        os.killpg(proc.pid, signal.SIGKILL)
+        out, err = proc.communicate()
+        raise AssertionError(f"ranks did not finish within {timeout} s (killed)\n--- stdout ---\n{out[-4000:]}\n"
+                             f"--- stderr ---\n{err[-8000:]}")
+    results = [json.loads(line[len(RESULT_PREFIX):]) for line in out.splitlines() if line.startswith(RESULT_PREFIX)]
+    return LaunchResult(proc.returncode, out, err, results)
+
+
+def _launch_plain(script, nproc, args, timeout, env) -> LaunchResult:
+    import time
+    base = cpu_env(env)
+    base.update({"WORLD_SIZE": str(nproc), "MASTER_PORT": str(_free_port()), "ODC_TEST_DEADLINE_S": str(timeout)})
+    procs = []
+    for rank in range(nproc):
+        rank_env = dict(base, RANK=str(rank), LOCAL_RANK=str(rank), LOCAL_WORLD_SIZE=str(nproc))
+        procs.append(subprocess.Popen([sys.executable, script, *map(str, args)], stdout=subprocess.PIPE,
+                                      stderr=subprocess.PIPE, text=True, env=rank_env, start_new_session=True))
+    deadline = time.monotonic() + timeout
+    outs, errs, codes, killed = [], [], [], []
+    for rank, proc in enumerate(procs):
+        try:
+            out, err = proc.communicate(timeout=max(1.0, deadline - time.monotonic()))
+        except subprocess.TimeoutExpired:
+            os.killpg(proc.pid, signal.SIGKILL)
+            out, err = proc.communicate()
+            killed.append(rank)
+        outs.append(out)
+        errs.append(f"[rank {rank} rc={proc.returncode}]\n{err}")
+        codes.append(proc.returncode)
+    if killed:
+        raise AssertionError(f"ranks {killed} did not finish within {timeout} s (killed)\n" + "\n".join(errs)[-8000:])
+    out = "\n".join(outs)
+    results = [json.loads(line[len(RESULT_PREFIX):]) for line in out.splitlines() if line.startswith(RESULT_PREFIX)]
+    return LaunchResult(max(codes, key=abs), out, "\n".join(errs), results)
+
+
+def _free_port() -> int:
+    import socket
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def emit(payload: dict) -> None:
+    """Print one result line for :func:`launch` to collect (call it on the rank that holds the result)."""
+    print(RESULT_PREFIX + json.dumps(payload), flush=True)
+
+
+def init_cpu_distributed(timeout_s: float = 60.0) -> None:
+    """Set a CPU rank up to fail fast: skip DeepSpeed's inference-only shm op build (a 40-65 s g++ JIT), init gloo
+    with a short timeout, and dump stacks before the launcher's deadline."""
+    import deepspeed
+    import deepspeed.comm  # noqa: F401
+
+    comm_torch = sys.modules["deepspeed.comm.torch"]  # `import deepspeed.comm.torch as m` yields the torch package
+    comm_torch.build_shm_op = lambda: None
+    deadline = float(os.environ.get("ODC_TEST_DEADLINE_S", "0"))
+    if deadline > 15:
+        faulthandler.dump_traceback_later(deadline - 10, exit=False)
+    deepspeed.init_distributed(dist_backend="gloo", timeout=timedelta(seconds=timeout_s))
+
+
+def finish() -> None:
+    """End a distributed script cleanly (a missing barrier here made 1 in 7 CPU runs abort at exit)."""
+    import torch.distributed as dist
+    if dist.is_initialized():
+        dist.barrier()
+        dist.destroy_process_group()
+    faulthandler.cancel_dump_traceback_later()

@@ -1,0 +1,76 @@
+"""Configurations ODC cannot run, rejected at ``deepspeed.initialize`` with the option to change.
+
+Why each is rejected is in ``shared/design/deepspeed_seams.md`` §8: in short, ODC needs every trainable shard and
+the gradient accumulator in one device buffer per rank (no offload), gathers and pushes over the plain
+data-parallel group (no hpZ, TP, SP, PP, MoE groups), and no per-bucket collectives on the gradient path.
+"""
+
+from __future__ import annotations
+
+from deepspeed.runtime.zero.offload_config import OffloadDeviceEnum
+from deepspeed.utils import logger
+
+
+def _reject(option: str, why: str) -> ValueError:
+    return ValueError(f"ds_odc: {option} is not supported with zero_optimization.odc ({why}). "
+                      f"Change {option} or turn ODC off.")
+
+
+def validate_engine(engine, optimizer) -> bool:
+    """Raise ValueError naming the first unsupported option of an engine that asked for ODC.
+
+    Returns False when ODC has nothing to do (no optimizer: inference), True when it applies."""
+    from deepspeed.runtime.zero.muon.muon_optimizer import MuonWithAuxAdam
+    from deepspeed.runtime.utils import DummyOptim
+    from deepspeed import comm as dist
+    from deepspeed.utils import groups
+
+    zc = engine._config.zero_config
+    if engine.zero_optimization_stage() != 3:
+        raise _reject(f"zero_optimization.stage={engine.zero_optimization_stage()}", "ODC extends ZeRO stage 3 only; set stage to 3")
+    for name in ("offload_param", "offload_optimizer"):
+        cfg = getattr(zc, name)
+        if cfg is not None and cfg.device != OffloadDeviceEnum.none:
+            raise _reject(f"zero_optimization.{name}", "shards and gradients must stay in device memory")
+    if engine.super_offload():
+        raise _reject("zero_optimization.offload_optimizer.super_offload", "shards must stay in device memory")
+    if zc.zero_hpz_partition_size > 1:
+        raise _reject("zero_optimization.zero_hpz_partition_size", "hpZ secondary shards use another group")
+    for name in ("zero_quantized_weights", "zero_quantized_nontrainable_weights", "zero_quantized_gradients"):
+        if getattr(zc, name):
+            raise _reject(f"zero_optimization.{name}", "ZeRO++ quantized communication is collective")
+    if not zc.reduce_scatter:
+        raise _reject("zero_optimization.reduce_scatter=false", "the all-reduce gradient path bypasses ODC's push")
+    if engine.gradient_predivide_factor() != 1.0:
+        raise _reject("gradient_predivide_factor", "ODC averages by the data-parallel size")
+    if zc.module_granularity_threshold > 0:
+        raise _reject("zero_optimization.stage3_module_granularity_threshold", "fast leaf fetching is collective")
+    if zc.enable_sanity_checks:
+        raise _reject("zero_optimization.enable_sanity_checks", "it adds a collective per gradient bucket")
+    if zc.zenflow is not None:
+        raise _reject("zero_optimization.zenflow", "it hooks the gradient reduce path")
+    if engine.fp16_enabled():
+        raise _reject("fp16.enabled", "dynamic loss scaling is not supported yet; use bf16 or fp32")
+    if engine.is_deepcompile_enabled():
+        raise _reject("compile.deepcompile", "DeepCompile replaces the ZeRO-3 hooks ODC extends")
+    if type(engine).__name__ == "PipelineEngine":
+        raise _reject("pipeline parallelism", "ODC shards over the data-parallel group only")
+    if engine.autotp_size() > 1:
+        raise _reject("tensor_parallel.autotp_size", "ODC shards over the data-parallel group only")
+    if dist.is_initialized() and groups._get_sequence_parallel_world_size() > 1:
+        raise _reject("sequence_parallel_size", "ODC shards over the data-parallel group only")
+    if engine.has_moe_layers:
+        raise _reject("MoE expert groups", "ODC shards over the data-parallel group only")
+    if engine._config.activation_checkpointing_config.partition_activations:
+        raise _reject("activation_checkpointing.partition_activations", "it issues model-parallel collectives")
+    if isinstance(optimizer, MuonWithAuxAdam):
+        raise _reject("the Muon optimizer", "its step-time all-gathers are untested with ODC")
+    if zc.use_all_reduce_for_fetch_params or zc.allgather_sequential:
+        logger.warning("ds_odc: stage3_use_all_reduce_for_fetch_params / stage3_allgather_sequential are ignored: "
+                       "ODC replaces parameter fetching")
+    if engine.mpu is not None:
+        raise _reject("mpu (model parallelism)", "ODC shards over the data-parallel group only")
+    if optimizer is None or isinstance(optimizer, DummyOptim):
+        logger.warning("ds_odc: no optimizer was given, so there is no training step: ODC is not used")
+        return False
+    return True

@@ -1,0 +1,61 @@
+"""The ``odc`` config key: accepted forms, validation, and stock behaviour without it (in-process, no ranks)."""
+
+import types
+
+import pydantic
+import pytest
+
+import ds_odc  # noqa: F401  (installs the key)
+from deepspeed.runtime.zero.config import get_zero_config
+
+from ds_odc.zero.validate import validate_engine
+
+
+def test_bool_shorthand_and_sub_dict():
+    assert get_zero_config({"zero_optimization": {"stage": 3, "odc": True}}).odc.enabled
+    cfg = get_zero_config({"zero_optimization": {"stage": 3, "odc": {"enabled": True, "transport": "shm",
+                                                                      "timeout_s": 12}}}).odc
+    assert (cfg.enabled, cfg.transport, cfg.timeout_s) == (True, "shm", 12)
+
+
+def test_without_odc_key_odc_is_off():
+    assert not get_zero_config({"zero_optimization": {"stage": 3}}).odc.enabled
+    assert not get_zero_config({"zero_optimization": {"stage": 3, "odc": False}}).odc.enabled
+
+
+@pytest.mark.parametrize("bad", [{"enabled": True, "trasport": "shm"}, {"transport": "tcp"}, {"timeout_s": 0}])
+def test_bad_odc_values_are_errors(bad):
+    with pytest.raises(pydantic.ValidationError) as err:
+        get_zero_config({"zero_optimization": {"stage": 3, "odc": bad}})
+    assert "odc" in str(err.value)
+
+
+def test_other_zero_keys_still_strict():
+    with pytest.raises(pydantic.ValidationError):
+        get_zero_config({"zero_optimization": {"stage": 3, "odc": True, "no_such_key": 1}})
+
+
+def _engine(**overrides):
+    zero = get_zero_config({"zero_optimization": {"stage": 3, "odc": True}})
+    config = types.SimpleNamespace(zero_config=zero, activation_checkpointing_config=types.SimpleNamespace(
+        partition_activations=False))
+    values = dict(zero_optimization_stage=3, super_offload=False, gradient_predivide_factor=1.0, fp16_enabled=False,
+                  is_deepcompile_enabled=False, autotp_size=1)
+    values.update(overrides)
+    engine = types.SimpleNamespace(_config=config, has_moe_layers=False, mpu=None,
+                                   **{k: (lambda v=v: v) for k, v in values.items()})
+    return engine
+
+
+def test_validator_rejects_fp16_naming_the_option():
+    import torch
+    optimizer = torch.optim.SGD([torch.nn.Parameter(torch.zeros(1))], lr=0.1)
+    assert validate_engine(_engine(), optimizer) is True
+    with pytest.raises(ValueError, match="fp16.enabled"):
+        validate_engine(_engine(fp16_enabled=True), optimizer)
+    with pytest.raises(ValueError, match="deepcompile"):
+        validate_engine(_engine(is_deepcompile_enabled=True), optimizer)
+
+
+def test_no_optimizer_means_no_odc():
+    assert validate_engine(_engine(), None) is False

@@ -1,0 +1,115 @@
+"""A tiny causal LM, its data, ds_configs and a single-process reference, shared by the ZeRO worker scenarios."""
+
+from __future__ import annotations
+
+import copy
+
+import torch
+
+from ds_odc.loss import token_loss_sum
+
+VOCAB = 256
+
+
+def tiny_llama(seed: int = 0, frozen_embeddings: bool = False, dtype=torch.float32):
+    from transformers import LlamaConfig, LlamaForCausalLM
+    torch.manual_seed(seed)
+    config = LlamaConfig(hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4,
+                         num_key_value_heads=2, vocab_size=VOCAB, max_position_embeddings=128,
+                         tie_word_embeddings=False, attn_implementation="eager")
+    model = LlamaForCausalLM(config).to(dtype)
+    if frozen_embeddings:
+        model.model.embed_tokens.weight.requires_grad_(False)
+    return model
+
+
+def minibatch(step: int, num_samples: int, min_len: int = 4, max_len: int = 24) -> list[torch.Tensor]:
+    """The global minibatch of ``step``: the same on every rank, variable lengths."""
+    g = torch.Generator().manual_seed(1000 + step)
+    lengths = torch.randint(min_len, max_len + 1, (num_samples,), generator=g).tolist()
+    return [torch.randint(0, VOCAB, (1, n), generator=g) for n in lengths]
+
+
+def ds_config(odc, *, gas: int = 1, clip: float = 0.0, managed: bool = True, lr: float = 1e-2, bf16: bool = False,
+              bucket: int = 3000, extra_zero: dict | None = None, optimizer: str = "adamw") -> dict:
+    """``optimizer="sgd"`` leaves the optimizer to the caller (see ``client_optimizer``)."""
+    zero = {
+        "stage": 3,
+        "stage3_param_persistence_threshold": 0,
+        "reduce_bucket_size": bucket,
+        "stage3_prefetch_bucket_size": bucket,
+        "overlap_comm": False,
+        "contiguous_gradients": True,
+    }
+    if odc is not None:
+        zero["odc"] = odc
+    zero.update(extra_zero or {})
+    config = {
+        "train_micro_batch_size_per_gpu": 1,
+        "gradient_accumulation_steps": gas,
+        "gradient_clipping": clip,
+        "zero_optimization": zero,
+        "steps_per_print": 10**9,
+        "zero_allow_untested_optimizer": True,
+    }
+    if optimizer == "adamw":
+        config["optimizer"] = {"type": "AdamW", "params": {"lr": lr, "betas": [0.9, 0.99], "eps": 1e-8,
+                                                           "weight_decay": 0.01, "torch_adam": True}}
+    if not managed:
+        config["managed_gradient_accumulation"] = False
+    if bf16:
+        config["bf16"] = {"enabled": True}
+    return config
+
+
+SGD_LR, SGD_MOMENTUM = 0.2, 0.9
+
+
+def client_optimizer(params):
+    """The optimizer of reference comparisons. SGD, not Adam: Adam divides by the gradient's own magnitude, which
+    turns 1e-7 rounding differences in near-zero gradient coordinates into lr-sized update differences, so a
+    1e-5 parameter check after Adam measures that amplification, not the gradients."""
+    return torch.optim.SGD(params, lr=SGD_LR, momentum=SGD_MOMENTUM)
+
+
+def reference_run(model, steps: int, num_samples: int, clip: float = 0.0, per_sample_mean: bool = False):
+    """Plain PyTorch, one process, SGD: the gradient of the global token-mean loss of every minibatch (or, with
+    ``per_sample_mean``, of the mean over samples of each sample's token mean: stock DeepSpeed's GAS semantics)."""
+    model = copy.deepcopy(model)
+    params = [p for p in model.parameters() if p.requires_grad]
+    opt = client_optimizer(params)
+    losses = []
+    for step in range(steps):
+        samples = minibatch(step, num_samples)
+        n_tokens = sum(s.numel() - 1 for s in samples)
+        opt.zero_grad()
+        total = 0.0
+        for s in samples:
+            norm = len(samples) * (s.numel() - 1) if per_sample_mean else n_tokens
+            loss = token_loss_sum(model(input_ids=s).logits.float(), s) / norm
+            loss.backward()
+            total += loss.item()
+        if clip > 0:
+            torch.nn.utils.clip_grad_norm_(params, clip)
+        opt.step()
+        losses.append(total)
+    return model, losses
+
+
+def full_params(engine_or_model) -> dict[str, torch.Tensor]:
+    """Full (unpartitioned) parameters by name; collective for ZeRO-3 engines."""
+    import deepspeed
+    module = getattr(engine_or_model, "module", engine_or_model)
+    params = list(module.named_parameters())
+    if params and hasattr(params[0][1], "ds_id"):
+        with deepspeed.zero.GatheredParameters([p for _, p in params]):
+            return {n: p.detach().float().clone() for n, p in params}
+    return {n: p.detach().float().clone() for n, p in params}
+
+
+def max_rel_diff(a: dict, b: dict) -> float:
+    worst = 0.0
+    for name in a:
+        diff = (a[name] - b[name]).norm() / b[name].norm().clamp_min(1e-12)
+        worst = max(worst, float(diff))
+    return worst

@@ -1,0 +1,260 @@
+"""Distributed scenarios for the ZeRO-3 + ODC tests. Launched by tests through ``ds_odc.testing.launch``.
+
+Usage: worker.py SCENARIO [options]; rank 0 prints one ODC_RESULT line.
+"""
+
+from __future__ import annotations
+
+import argparse
+import copy
+import os
+import sys
+import tempfile
+import time
+
+import torch
+
+import ds_odc  # noqa: F401  (installs the odc config key before any engine is built)
+from ds_odc.loss import global_mean_weight, token_loss_sum
+from ds_odc.testing import emit, finish, init_cpu_distributed
+
+sys.path.insert(0, os.path.dirname(__file__))
+from _workload import client_optimizer, ds_config, full_params, max_rel_diff, minibatch, reference_run, tiny_llama  # noqa: E402
+
+
+def rank_world():
+    import torch.distributed as dist
+    return dist.get_rank(), dist.get_world_size()
+
+
+def build(model, config):
+    import deepspeed
+    params = [p for p in model.parameters() if p.requires_grad]
+    optimizer = None if "optimizer" in config else client_optimizer(params)
+    engine, *_ = deepspeed.initialize(model=model, model_parameters=params, optimizer=optimizer, config=config)
+    return engine
+
+
+def train_uneven(engine, counts, steps, managed=False, step_offset=0, stall=None):
+    """Rank r runs counts[r] microbatches (one sample each) of every global minibatch; loss = global token mean."""
+    rank, world = rank_world()
+    total = sum(counts)
+    first = sum(counts[:rank])
+    losses = []
+    for step in range(step_offset, step_offset + steps):
+        samples = minibatch(step, total)
+        n_tokens = sum(s.numel() - 1 for s in samples)
+        weight = global_mean_weight(n_tokens, world)
+        mine = samples[first:first + counts[rank]]
+        local = 0.0
+        for i, s in enumerate(mine):
+            if managed:
+                engine.set_gradient_accumulation_boundary(i == len(mine) - 1)
+            loss = token_loss_sum(engine(input_ids=s).logits, s) * weight
+            engine.backward(loss, scale_wrt_gas=False)
+            local += loss.item() / world
+            if managed:
+                engine.step()
+        if managed and not mine:
+            engine.set_gradient_accumulation_boundary(True)
+            engine.step()
+        if stall is not None:
+            stall(step)
+        if not managed:
+            engine.step()
+        losses.append(local)
+    return losses
+
+
+def scenario_equal(args):
+    """Drop-in semantics: every rank runs the configured GAS; ODC must equal stock ZeRO-3. With --bf16 both run in
+    bf16 with SGD and are also compared with an fp32 single-process reference."""
+    rank, world = rank_world()
+    gas, steps = 2, 3
+    optimizer = "sgd" if args.bf16 else "adamw"
+    results = {}
+    for name, odc in (("stock", None), ("odc", True)):
+        engine = build(tiny_llama(), ds_config(odc, gas=gas, clip=args.clip, bf16=args.bf16, optimizer=optimizer))
+        losses = []
+        for step in range(steps):
+            samples = minibatch(step, gas * world)
+            for k in range(gas):
+                s = samples[k * world + rank]
+                loss = engine(input_ids=s, labels=s).loss
+                engine.backward(loss)
+                engine.step()
+                losses.append(loss.item())
+        results[name] = (full_params(engine), losses, type(engine.optimizer).__name__)
+    out = {"max_rel_diff": max_rel_diff(results["odc"][0], results["stock"][0]),
+           "loss_stock": results["stock"][1], "loss_odc": results["odc"][1],
+           "optimizers": [results["stock"][2], results["odc"][2]]}
+    if args.bf16:
+        # Sample order of the reference: step s's samples in index order, which is how ranks x GAS slots cover them.
+        ref, _ = reference_run(tiny_llama(), steps, gas * world, clip=args.clip, per_sample_mean=True)
+        ref = full_params(ref)
+        out["stock_vs_fp32"] = max_rel_diff(results["stock"][0], ref)
+        out["odc_vs_fp32"] = max_rel_diff(results["odc"][0], ref)
+    if rank == 0:
+        emit(out)
+
+
+def scenario_uneven(args):
+    """Variable microbatch counts vs a single-process reference on the same global minibatches."""
+    rank, world = rank_world()
+    counts = [int(c) for c in args.counts.split(",")]
+    assert len(counts) == world, f"--counts needs {world} entries"
+    model = tiny_llama(frozen_embeddings=args.frozen)
+    ref_model, ref_losses = reference_run(model, args.steps, sum(counts), clip=args.clip)
+    engine = build(model, ds_config(True, clip=args.clip, managed=args.managed, optimizer="sgd"))
+    train_uneven(engine, counts, args.steps, managed=args.managed)
+    odc = full_params(engine)
+    if rank == 0:
+        emit({"max_rel_diff": max_rel_diff(odc, full_params(ref_model)), "ref_losses": ref_losses,
+              "optimizer": type(engine.optimizer).__name__, "grad_norm": float(engine.get_global_grad_norm())})
+
+
+def scenario_checkpoint(args):
+    """Save after 2 steps, continue 2 steps; a fresh engine loading the checkpoint must reproduce those 2 steps."""
+    rank, world = rank_world()
+    counts = [int(c) for c in args.counts.split(",")]
+    import torch.distributed as dist
+    tmp = [tempfile.mkdtemp(prefix="odc_ckpt_")] if rank == 0 else [None]
+    dist.broadcast_object_list(tmp, src=0)
+    engine = build(tiny_llama(), ds_config(True, clip=args.clip, managed=False))
+    train_uneven(engine, counts, 2)
+    engine.save_checkpoint(tmp[0], tag="step2")
+    train_uneven(engine, counts, 2, step_offset=2)
+    uninterrupted = full_params(engine)
+    resumed_engine = build(tiny_llama(seed=123), ds_config(True, clip=args.clip, managed=False))
+    resumed_engine.load_checkpoint(tmp[0], tag="step2")
+    train_uneven(resumed_engine, counts, 2, step_offset=2)
+    resumed = full_params(resumed_engine)
+    if rank == 0:
+        emit({"max_rel_diff": max_rel_diff(resumed, uninterrupted)})
+
+
+COUNTED = ["all_gather_into_tensor", "reduce_scatter_tensor", "all_reduce", "broadcast", "barrier", "all_gather",
+           "reduce_scatter", "send", "recv", "isend", "irecv", "all_to_all_single", "gather", "scatter",
+           "all_gather_object", "broadcast_object_list", "monitored_barrier", "all_gather_coalesced", "reduce",
+           "batch_isend_irecv", "all_reduce_coalesced", "reduce_scatter_tensor_coalesced",
+           "all_gather_into_tensor_coalesced"]
+CALLS = {"on": False, "by_name": {}}
+
+
+def count_collectives():
+    """Wrap torch.distributed's communication functions; must run before DeepSpeed's backend caches them."""
+    import torch.distributed as dist
+
+    def wrap(name, original):
+        def counted(*a, **k):
+            if CALLS["on"]:
+                CALLS["by_name"][name] = CALLS["by_name"].get(name, 0) + 1
+            return original(*a, **k)
+        return counted
+
+    for name in COUNTED:
+        if hasattr(dist, name):
+            setattr(dist, name, wrap(name, getattr(dist, name)))
+
+
+def scenario_collectives(args):
+    """Count torch.distributed calls during forward and backward, stock vs ODC (uneven counts for ODC)."""
+    rank, world = rank_world()
+    out = {}
+    for label, odc in (("stock", None), ("odc", True)):
+        engine = build(tiny_llama(), ds_config(odc, managed=odc is None, gas=2 if odc is None else 1))
+        CALLS["by_name"] = {}
+        for step in range(2):
+            samples = minibatch(step, 3 * world)
+            mine = 2 if odc is None else (3 if rank == 0 else 1)
+            for k in range(mine):
+                s = samples[k * world + rank]
+                CALLS["on"] = True
+                loss = engine(input_ids=s, labels=s).loss
+                engine.backward(loss, scale_wrt_gas=odc is None)
+                CALLS["on"] = False
+                if odc is None:
+                    engine.step()
+            if odc is not None:
+                engine.step()
+        out[label] = {"calls": sum(CALLS["by_name"].values()), "by_name": dict(CALLS["by_name"])}
+    if rank == 0:
+        emit(out)
+
+
+def scenario_fence_timeout(args):
+    """Rank 1 arrives at the fence late (or dies): rank 0 must raise an error naming it within the timeout."""
+    rank, world = rank_world()
+    engine = build(tiny_llama(), ds_config({"enabled": True, "timeout_s": args.timeout}, managed=False))
+    if rank == 0:
+        emit({"tag": engine.optimizer.odc_transport.tag})
+
+    def stall(step):
+        if rank == 1 and step == 1:
+            if args.kill:
+                os.kill(os.getpid(), 9)
+            time.sleep(args.timeout + 4)
+
+    started = time.monotonic()
+    try:
+        train_uneven(engine, [1] * world, 3, stall=stall)
+    except Exception as err:  # noqa: BLE001 - the point is to report it
+        if rank == 0:
+            emit({"error_type": type(err).__name__, "error": str(err), "after_s": time.monotonic() - started,
+                  "missing": getattr(err, "missing_ranks", None)})
+        os._exit(3)
+    if rank == 0:
+        emit({"error_type": None})
+
+
+def scenario_rejects(args):
+    """Every unsupported option must raise ValueError naming it at deepspeed.initialize."""
+    cases = {
+        "offload_optimizer": {"offload_optimizer": {"device": "cpu"}},
+        "offload_param": {"offload_param": {"device": "cpu"}},
+        "zero_hpz_partition_size": {"zero_hpz_partition_size": 2},
+        "zero_quantized_weights": {"zero_quantized_weights": True},
+        "zero_quantized_gradients": {"zero_quantized_gradients": True},
+        "reduce_scatter": {"reduce_scatter": False},
+        "stage3_module_granularity_threshold": {"stage3_module_granularity_threshold": 100},
+        "enable_sanity_checks": {"enable_sanity_checks": True},
+        "stage": {"stage": 2},
+    }
+    out = {}
+    for option, zero in cases.items():
+        try:
+            build(tiny_llama(), ds_config(True, extra_zero=zero))
+            out[option] = "accepted"
+        except Exception as err:  # noqa: BLE001
+            out[option] = f"{type(err).__name__}: {err}"
+    try:
+        build(tiny_llama(), dict(ds_config(True), fp16={"enabled": True}))
+        out["fp16.enabled"] = "accepted"
+    except Exception as err:  # noqa: BLE001
+        out["fp16.enabled"] = f"{type(err).__name__}: {err}"
+    if rank_world()[0] == 0:
+        emit(out)
+
+
+def main():
+    parser = argparse.ArgumentParser()
+    parser.add_argument("scenario")
+    parser.add_argument("--counts", default="1,1")
+    parser.add_argument("--steps", type=int, default=3)
+    parser.add_argument("--clip", type=float, default=0.0)
+    parser.add_argument("--managed", action="store_true")
+    parser.add_argument("--frozen", action="store_true")
+    parser.add_argument("--timeout", type=float, default=10.0)
+    parser.add_argument("--kill", action="store_true")
+    parser.add_argument("--bf16", action="store_true")
+    parser.add_argument("--local_rank", type=int, default=None)  # the deepspeed launcher passes it
+    args = parser.parse_args()
+    if args.scenario == "collectives":
+        count_collectives()
+    init_cpu_distributed(timeout_s=60 if args.scenario != "fence_timeout" else args.timeout * 2)
+    globals()[f"scenario_{args.scenario}"](args)
+    finish()
+
+
+if __name__ == "__main__":
+    main()
