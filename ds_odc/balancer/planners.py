@@ -201,6 +201,8 @@ def _lb_micro(act: list[int], lens: list[int], costs: list[float], W: int, T: in
         m = max(len(p) for p in parts)
     else:
         m = max(len(_pack_local(pl, pc, T, None)) for _, pl, pc in shares)
+    if m == 0:  # empty minibatch
+        return [[] for _ in range(W)]
     out = []
     for p, pl, pc in shares:
         local = _pack_local(pl, pc, T, m)

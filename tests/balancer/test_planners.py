@@ -1,0 +1,144 @@
+import numpy as np
+import pytest
+from hypothesis import given, settings, strategies as st
+
+from ds_odc.balancer import PLANNERS, Plan, pack, plan_minibatch
+from ds_odc.balancer.presets import get_preset
+from ds_odc.balancer.simulate import SYNC_MODE, step_time_of
+
+
+def _all_samples(plan: Plan):
+    return sorted(i for rank in plan.microbatches for mb in rank for i in mb)
+
+
+@settings(max_examples=80, deadline=None)
+@given(
+    lengths=st.lists(st.integers(1, 5000), min_size=0, max_size=60),
+    W=st.integers(1, 9),
+    planner=st.sampled_from(PLANNERS),
+    T=st.sampled_from([None, 5000, 9000]),
+)
+def test_every_sample_exactly_once_and_budget_holds(lengths, W, planner, T):
+    plan = plan_minibatch(lengths, W, planner=planner, max_tokens=T)
+    assert plan.world_size == W
+    assert _all_samples(plan) == list(range(len(lengths)))
+    assert plan.num_samples == len(lengths) and plan.num_tokens == sum(lengths)
+    if T is not None:
+        for rank in plan.microbatches:
+            for mb in rank:
+                assert sum(lengths[i] for i in mb) <= T
+    counts = [plan.num_microbatches(r) for r in range(W)]
+    if planner == "lb-micro":
+        assert len(set(counts)) == 1, "lb-micro must give every rank the same microbatch count"
+    if planner == "lb-mini" and len(lengths) >= W:
+        assert all(plan.rank_samples(r) for r in range(W)), "no rank may be empty when n >= W"
+    if planner != "lb-mini" and len(lengths) % W == 0:
+        sizes = {len(plan.rank_samples(r)) for r in range(W)}
+        assert len(sizes) <= 1
+
+
+def test_local_sort_is_round_robin_sorted_one_per_microbatch():
+    lengths = [50, 10, 40, 20, 30, 60, 5, 70, 80]
+    plan = plan_minibatch(lengths, 2, planner="local-sort")
+    assert plan.microbatches[0] == [[6], [4], [2], [0], [8]]  # samples 0,2,4,6,8 by length
+    assert plan.microbatches[1] == [[1], [3], [5], [7]]  # 9 samples on 2 ranks: 5 and 4, not padded
+
+
+def test_plans_are_deterministic():
+    lengths = get_preset("long-sft").sample(256, seed=3).tolist()
+    for p in PLANNERS:
+        a = plan_minibatch(lengths, 16, planner=p, max_tokens=65536)
+        b = plan_minibatch(list(lengths), 16, planner=p, max_tokens=65536)
+        assert a == b
+
+
+def test_lb_mini_balances_better_than_lb_micro_and_local_sort():
+    """32 ranks, 4 samples each, long-sft lengths: ODC step time (max rank total) beats collective step times."""
+    R, M, T = 32, 4, 65536
+    rng = np.random.default_rng(1)
+    t = {p: 0.0 for p in PLANNERS}
+    busy = 0.0
+    for _ in range(10):
+        lengths = get_preset("long-sft").sample(R * M, rng).tolist()
+        busy += sum(lengths)
+        for p in PLANNERS:
+            plan = plan_minibatch(lengths, R, planner=p, max_tokens=T)
+            t[p] += step_time_of(plan, plan.microbatch_costs("tokens", lengths), SYNC_MODE[p])
+    bubble = {p: 1 - busy / (R * t[p]) for p in PLANNERS}
+    assert bubble["lb-mini"] < 0.03
+    assert bubble["lb-micro"] > 0.10
+    assert bubble["local-sort"] > bubble["lb-micro"]
+
+
+def test_rank_costs_and_microbatch_counts():
+    lengths = [100, 200, 300, 400]
+    plan = plan_minibatch(lengths, 2, planner="lb-mini", max_tokens=1000)
+    assert sorted(plan.rank_costs("tokens", lengths)) == [500.0, 500.0]
+    assert [plan.num_microbatches(r) for r in range(2)] == [1, 1]
+    q = plan.rank_costs("quadratic", lengths)
+    assert all(x > 0 for x in q)
+    assert plan.num_label_tokens == 1000 - 4
+
+
+def test_fewer_samples_than_ranks_leaves_ranks_empty():
+    plan = plan_minibatch([10, 20, 30], 5, planner="lb-mini", max_tokens=100)
+    sizes = sorted(len(plan.rank_samples(r)) for r in range(5))
+    assert sizes == [0, 0, 1, 1, 1]
+
+
+def test_oversize_error_names_sample_and_fix():
+    with pytest.raises(ValueError) as e:
+        plan_minibatch([10, 5000, 20], 2, max_tokens=4096)
+    msg = str(e.value)
+    assert "sample 1" in msg and "5000" in msg and "max_tokens=4096" in msg and "oversize=" in msg
+
+
+def test_oversize_truncate_and_skip_are_reported():
+    lengths = [10, 5000, 20, 7000]
+    t = plan_minibatch(lengths, 2, max_tokens=4096, oversize="truncate")
+    assert t.truncated == (1, 3) and t.skipped == ()
+    assert t.num_samples == 4 and t.num_tokens == 10 + 4096 + 20 + 4096
+    assert _all_samples(t) == [0, 1, 2, 3]
+    assert t.effective_length(1, lengths) == 4096 and t.effective_length(0, lengths) == 10
+    assert sum(t.rank_costs("tokens", lengths)) == t.num_tokens
+    s = plan_minibatch(lengths, 2, max_tokens=4096, oversize="skip")
+    assert s.skipped == (1, 3) and s.truncated == ()
+    assert s.num_samples == 2 and s.num_tokens == 30
+    assert _all_samples(s) == [0, 2]
+
+
+def test_bad_arguments():
+    with pytest.raises(ValueError, match="unknown planner"):
+        plan_minibatch([1], 1, planner="lb-max")
+    with pytest.raises(ValueError, match="oversize"):
+        plan_minibatch([1], 1, oversize="drop")
+    with pytest.raises(ValueError, match="world_size"):
+        plan_minibatch([1], 0)
+
+
+def test_pack_fewest_and_exact():
+    lengths = [60000, 5000, 30000, 30000, 1000]
+    mbs = pack(range(5), lengths, 65536)
+    assert len(mbs) == 2  # 126,000 tokens: ceil(126000/65536) = 2 bins suffice
+    assert sorted(i for mb in mbs for i in mb) == [0, 1, 2, 3, 4]
+    assert all(sum(lengths[i] for i in mb) <= 65536 for mb in mbs)
+    exact = pack([0, 1, 2, 3, 4], lengths, 65536, k=4)
+    assert len(exact) == 4 and all(exact)
+    costs = [sum(lengths[i] for i in mb) for mb in exact]
+    assert costs == sorted(costs, reverse=True)  # heaviest first
+    assert pack([2, 4], lengths, 65536, k=3)[-1] == []  # more slots than samples: empty microbatches at the end
+    assert pack([0, 1], lengths, None) == [[0], [1]]  # no budget: one sample per microbatch
+    with pytest.raises(ValueError, match="need more than k=1"):
+        pack([0, 2, 3], lengths, 65536, k=1)
+    with pytest.raises(ValueError, match="sample 0 has 60000 tokens"):
+        pack([0], lengths, 50000)
+
+
+def test_pack_beats_first_fit_decreasing_when_it_can():
+    # FFD needs 3 bins here (6+3, then 5+2+2, then 2); a balanced split into 2 fits exactly (6+2+2, 5+3+2).
+    lengths = [2, 2, 2, 3, 5, 6]
+    from ds_odc.balancer import first_fit_decreasing
+
+    assert len(first_fit_decreasing(lengths, 10)) == 3
+    mbs = pack(range(6), lengths, 10)
+    assert len(mbs) == 2 and all(sum(lengths[i] for i in mb) == 10 for mb in mbs)

@@ -1,0 +1,90 @@
+import json
+import math
+
+import numpy as np
+import pytest
+
+from ds_odc.balancer import plan_minibatch
+from ds_odc.balancer.presets import PRESETS, get_preset, longtail_from_normals
+from ds_odc.balancer.simulate import main, simulate, step_time_of
+
+
+def test_step_time_collective_vs_odc_by_hand():
+    # rank 0: microbatches costing 5, 1 ; rank 1: 2, 2, 2
+    mb = [[5.0, 1.0], [2.0, 2.0, 2.0]]
+    plan = None
+    assert step_time_of(plan, mb, "collective") == 5 + 2 + 2
+    assert step_time_of(plan, mb, "odc") == 6
+
+
+def test_bubble_definition_on_a_tiny_case():
+    # 2 ranks, lengths 3,1 on one side and 2,2 on the other under local-sort: slots (max(1,2), max(3,2)) = 5
+    res = simulate(np.array([3, 2, 1, 2]), ranks=2, minibatch_size=2, max_tokens=None, steps=1, seed=0)
+    ls = res["local-sort"]
+    assert res["lb-mini"]["bubble_rate"] == pytest.approx(0.0)
+    assert 0.0 <= ls["bubble_rate"] < 1.0
+    assert ls["busy_time_per_rank"] == pytest.approx(4.0)
+    assert ls["bubble_rate"] == pytest.approx(1 - 8 / (2 * ls["step_time"]))
+
+
+def test_long_sft_lb_mini_well_below_lb_micro():
+    res = simulate("long-sft", ranks=64, minibatch_size=4, max_tokens=65536, steps=5, seed=0)
+    mini, micro, ls = (res[p]["bubble_rate"] for p in ("lb-mini", "lb-micro", "local-sort"))
+    assert mini < 0.05 and micro > 0.15 and ls > micro and mini < micro / 5  # measured 2.6%, 24%, 51%
+    assert res["lb-mini"]["speedup_vs_local_sort"] > 1.3
+    assert res["lb-micro"]["microbatches_per_rank_min"] == res["lb-micro"]["microbatches_per_rank_max"]
+
+
+def test_balance_bound_reported_when_one_sample_dominates():
+    lengths = np.array([100] * 7 + [10000])
+    res = simulate(lengths, ranks=4, minibatch_size=2, max_tokens=None, steps=3, seed=0)
+    s = res["lb-mini"]
+    assert s["steps_with_dominant_sample"] >= 1
+    assert s["balance_bound_step_time"] >= 10000 * s["steps_with_dominant_sample"] / 3
+
+
+def test_baselines_preset_reproduces_measured_minibatches():
+    torch = pytest.importorskip("torch")
+    g = torch.Generator().manual_seed(0)
+    sums = [int(longtail_from_normals(torch.randn(8, generator=g).numpy()).sum()) for _ in range(5)]
+    assert sums[1:] == [60056, 90425, 65692, 55536]  # docs baselines: tokens per timed minibatch
+    x = get_preset("baselines-longtail").sample(10000, seed=0)
+    assert x.min() >= 1024 and x.max() <= 32768 and abs(np.median(x) - 8000) < 300
+
+
+@pytest.mark.parametrize("name", sorted(PRESETS))
+def test_presets_are_in_range_and_seeded(name):
+    a = get_preset(name).sample(5000, seed=1)
+    assert a.dtype == np.int64 and a.min() > 0
+    assert np.array_equal(a, get_preset(name).sample(5000, seed=1))
+    if name == "long-sft":
+        assert a.min() >= 8192 and a.max() <= 65536 and 14000 < np.median(a) < 18000
+    if name == "agent":
+        assert a.max() <= 131072 and (a > 65536).mean() > 0.02
+    if name == "rl":
+        assert 0.25 < (a > 16384).mean() < 0.35
+
+
+def test_cli_json_is_one_object(capsys, tmp_path):
+    f = tmp_path / "lengths.txt"
+    f.write_text("\n".join(str(x) for x in get_preset("long-sft").sample(300, seed=0)) + "\n")
+    png = tmp_path / "bars.png"
+    rc = main(["--lengths", str(f), "--ranks", "8", "--minibatch-size", "4", "--max-tokens", "65536",
+               "--steps", "3", "--json", "--plot", str(png), "--cost", "quadratic"])
+    out = capsys.readouterr().out
+    assert rc == 0
+    data = json.loads(out)
+    assert set(data) == {"local-sort", "lb-micro", "lb-mini"}
+    for v in data.values():
+        assert 0.0 <= v["bubble_rate"] < 1.0 and math.isfinite(v["step_time"])
+    assert png.stat().st_size > 10_000 and png.read_bytes()[:4] == b"\x89PNG"
+
+
+def test_cli_text_and_errors(capsys):
+    assert main(["--preset", "rl", "--ranks", "4", "--minibatch-size", "2", "--max-tokens", "8192",
+                 "--steps", "2", "--oversize", "error"]) == 2
+    assert "max_tokens=8192" in capsys.readouterr().err
+    assert main(["--preset", "agent", "--ranks", "4", "--minibatch-size", "2", "--max-tokens", "65536",
+                 "--steps", "2"]) == 0
+    out = capsys.readouterr().out
+    assert "lb-mini" in out and "balance bound" in out
