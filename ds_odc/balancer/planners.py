@@ -210,8 +210,18 @@ def _lb_micro(act: list[int], lens: list[int], costs: list[float], W: int, T: in
     return out
 
 
+def _max_sum(parts: list[list[int]], costs: list[float]) -> float:
+    return max(sum(costs[j] for j in p) for p in parts)
+
+
 def _lb_mini(act: list[int], lens: list[int], costs: list[float], W: int, T: int | None) -> list[list[list[int]]]:
     parts = partition(costs, W)
+    if len(act) > W:
+        # Equal-size solutions are feasible here too and sometimes balance better (the free local search may stop
+        # at a worse optimum); keeping the better one makes lb-mini never less balanced than lb-micro's split.
+        equal = partition(costs, W, equal_size=True)
+        if _max_sum(equal, costs) < _max_sum(parts, costs):
+            parts = equal
     out = []
     for p, pl, pc in _split(parts, lens, costs):
         local = _pack_local(pl, pc, T, None)
