@@ -42,6 +42,7 @@ def parse_args():
     p.add_argument("--reps", type=int, default=20)
     p.add_argument("--warmup", type=int, default=3)
     p.add_argument("--out", default=None, help="write the tables (markdown) and raw numbers (.json) here")
+    p.add_argument("--memory-only", action="store_true", help="only report what the symmetric heap costs")
     return p.parse_args()
 
 
@@ -81,20 +82,38 @@ def main():
     dev = torch.device("cuda", local_rank)
     scale = 1.0 / world
 
-    torch.cuda.synchronize()
-    free0, _ = torch.cuda.mem_get_info()
+    def used():
+        torch.cuda.synchronize()
+        free, total = torch.cuda.mem_get_info()
+        return total - free
+
+    # Memory: what NVSHMEM's bring-up costs, then what each allocation costs beyond its own bytes.
+    base = used()
     fast = NvshmemTransport(None, 120.0, scatter_method="atomic")
+    tiny = fast.allocate(1, torch.bfloat16)  # brings NVSHMEM up
+    after_init = used()
     staged = NvshmemTransport(None, 120.0, scatter_method="staging")
     remote = NvshmemTransport(None, 120.0, force_remote_path=True)
     params = {"fast": fast.allocate(n_max, torch.bfloat16), "remote": remote.allocate(n_max, torch.bfloat16)}
     accs = {"fast": fast.allocate(n_max, torch.float32, accumulator=True),
             "staged": staged.allocate(n_max, torch.float32, accumulator=True),
             "remote": remote.allocate(n_max, torch.float32, accumulator=True)}
-    torch.cuda.synchronize()
-    free1, _ = torch.cuda.mem_get_info()
+    after_all = used()
     sym = fast.symmetric_bytes + staged.symmetric_bytes + remote.symmetric_bytes
-    heap_note = (f"symmetric memory requested {sym / MiB:.0f} MiB, GPU memory taken {(free0 - free1) / MiB:.0f} MiB "
-                 f"(NVSHMEM overhead {(free0 - free1 - sym) / MiB:+.0f} MiB)")
+    env = {k: os.environ[k] for k in ("NVSHMEM_SYMMETRIC_SIZE", "NVSHMEM_CUMEM_GRANULARITY") if k in os.environ}
+    heap_note = (f"NVSHMEM bring-up took {(after_init - base) / MiB:.0f} MiB of GPU memory; then {sym / MiB:.0f} MiB "
+                 f"of symmetric buffers took {(after_all - base) / MiB:.0f} MiB in all (overhead "
+                 f"{(after_all - base - sym) / MiB:+.0f} MiB; env {env})")
+    if args.memory_only:
+        if rank == 0:
+            print(heap_note, flush=True)
+        for t in (remote, staged, fast):
+            t.close()
+        dist.destroy_process_group()
+        return
+    side = torch.cuda.Stream()  # like DeepSpeed's prefetch / reduce streams (batched copies need a non-default one)
+    side.wait_stream(torch.cuda.current_stream())
+    torch.cuda.set_stream(side)
 
     gen = torch.Generator(device=dev).manual_seed(rank)
     for p in params.values():

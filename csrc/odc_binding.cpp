@@ -5,12 +5,10 @@
 // ints, so this file also compiles against a CPU-only torch.
 
 #include <pybind11/pybind11.h>
-#include <pybind11/stl.h>
 
 #include <cstdint>
 #include <stdexcept>
 #include <string>
-#include <vector>
 
 extern "C" {
 const char* odc_last_error();
@@ -27,10 +25,9 @@ int odc_copy_batch(int n, const int64_t* dst, const int64_t* src, const int64_t*
 int odc_get_batch(int n, const int64_t* dst, const int64_t* src, const int64_t* nbytes, const int64_t* pes,
                   void* stream);
 int odc_quiet_on_stream(void* stream);
-int odc_scatter_add_p2p(const void* tasks, int ntasks, int64_t nblocks, int src_dtype, float scale, int mode,
+int odc_scatter_add_p2p(const int64_t* host_tasks, int ntasks, int src_dtype, float scale, int mode, void* stream);
+int odc_scatter_add_rma(const int64_t* host_tasks, int ntasks, int src_dtype, float scale, float* scratch, int ctas,
                         void* stream);
-int odc_scatter_add_rma(const void* tasks, int ntasks, int64_t nchunks, int src_dtype, float scale, float* scratch,
-                        int ctas, void* stream);
 }
 
 namespace py = pybind11;
@@ -38,13 +35,10 @@ namespace py = pybind11;
 namespace {
 
 void* as_ptr(int64_t value) { return reinterpret_cast<void*>(static_cast<intptr_t>(value)); }
+const int64_t* host_array(int64_t address) { return static_cast<const int64_t*>(as_ptr(address)); }
 
 void check(int status) {
   if (status != 0) throw std::runtime_error(std::string("ds_odc nvshmem op: ") + odc_last_error());
-}
-
-void check_lengths(const std::vector<int64_t>& a, const std::vector<int64_t>& b, const std::vector<int64_t>& c) {
-  if (a.size() != b.size() || a.size() != c.size()) throw std::invalid_argument("ds_odc: batch lists differ in length");
 }
 
 }  // namespace
@@ -66,27 +60,22 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
     odc_free(as_ptr(ptr));
   });
   m.def("peer_ptr", [](int64_t sym, int pe) { return reinterpret_cast<int64_t>(odc_peer_ptr(as_ptr(sym), pe)); });
-  m.def("copy_batch", [](const std::vector<int64_t>& dst, const std::vector<int64_t>& src,
-                         const std::vector<int64_t>& nbytes, int64_t stream) {
-    check_lengths(dst, src, nbytes);
-    check(odc_copy_batch(static_cast<int>(dst.size()), dst.data(), src.data(), nbytes.data(), as_ptr(stream)));
+  // Batches arrive as addresses of host int64 arrays (numpy), `n` entries each: no per-element conversion.
+  m.def("copy_batch", [](int64_t dst, int64_t src, int64_t nbytes, int n, int64_t stream) {
+    check(odc_copy_batch(n, host_array(dst), host_array(src), host_array(nbytes), as_ptr(stream)));
   });
-  m.def("get_batch", [](const std::vector<int64_t>& dst, const std::vector<int64_t>& src,
-                        const std::vector<int64_t>& nbytes, const std::vector<int64_t>& pes, int64_t stream) {
-    check_lengths(dst, src, nbytes);
-    if (pes.size() != dst.size()) throw std::invalid_argument("ds_odc: batch lists differ in length");
-    check(odc_get_batch(static_cast<int>(dst.size()), dst.data(), src.data(), nbytes.data(), pes.data(),
-                        as_ptr(stream)));
+  m.def("get_batch", [](int64_t dst, int64_t src, int64_t nbytes, int64_t pes, int n, int64_t stream) {
+    check(odc_get_batch(n, host_array(dst), host_array(src), host_array(nbytes), host_array(pes), as_ptr(stream)));
   });
   m.def("quiet_on_stream", [](int64_t stream) { check(odc_quiet_on_stream(as_ptr(stream))); });
+  // tasks: address of a host int64 array of [ntasks, 6] rows (dst, src, n, -, pe, -), see odc_kernels.cu
   // mode: 0 scalar fp32 reductions, 1 vector fp32 reductions, 2 plain read-modify-write (single-writer slots)
-  m.def("scatter_add_p2p", [](int64_t tasks, int ntasks, int64_t nblocks, int src_dtype, float scale, int mode,
-                              int64_t stream) {
-    check(odc_scatter_add_p2p(as_ptr(tasks), ntasks, nblocks, src_dtype, scale, mode, as_ptr(stream)));
+  m.def("scatter_add_p2p", [](int64_t tasks, int ntasks, int src_dtype, float scale, int mode, int64_t stream) {
+    check(odc_scatter_add_p2p(host_array(tasks), ntasks, src_dtype, scale, mode, as_ptr(stream)));
   });
-  m.def("scatter_add_rma", [](int64_t tasks, int ntasks, int64_t nchunks, int src_dtype, float scale, int64_t scratch,
-                              int ctas, int64_t stream) {
-    check(odc_scatter_add_rma(as_ptr(tasks), ntasks, nchunks, src_dtype, scale, static_cast<float*>(as_ptr(scratch)),
-                              ctas, as_ptr(stream)));
+  m.def("scatter_add_rma", [](int64_t tasks, int ntasks, int src_dtype, float scale, int64_t scratch, int ctas,
+                              int64_t stream) {
+    check(odc_scatter_add_rma(host_array(tasks), ntasks, src_dtype, scale, static_cast<float*>(as_ptr(scratch)), ctas,
+                              as_ptr(stream)));
   });
 }

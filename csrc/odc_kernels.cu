@@ -33,6 +33,13 @@ struct Task {
   int64_t pad;
 };
 
+// Tasks travel as a kernel parameter (no host-to-device copy per call); Hopper-era drivers take up to 32 KiB of
+// parameters, and a call with more tasks is split into several launches.
+constexpr int kMaxTasks = 256;
+struct TaskTable {
+  Task t[kMaxTasks];
+};
+
 constexpr int kP2PThreads = 256;
 constexpr int kQuadsPerThread = 4;
 constexpr int64_t kP2PElemsPerBlock = int64_t(kP2PThreads) * kQuadsPerThread * 4;  // 4096
@@ -48,11 +55,11 @@ template <> __device__ __forceinline__ float to_f32<__nv_bfloat16>(__nv_bfloat16
 template <> __device__ __forceinline__ float to_f32<__half>(__half v) { return __half2float(v); }
 
 // Task whose range of blocks (or chunks) contains `index`: the last task with first <= index.
-__device__ __forceinline__ int find_task(const Task* tasks, int ntasks, int64_t index) {
+__device__ __forceinline__ int find_task(const TaskTable& tasks, int ntasks, int64_t index) {
   int lo = 0, hi = ntasks - 1;
   while (lo < hi) {
     int mid = (lo + hi + 1) >> 1;
-    if (tasks[mid].first <= index) lo = mid; else hi = mid - 1;
+    if (tasks.t[mid].first <= index) lo = mid; else hi = mid - 1;
   }
   return lo;
 }
@@ -81,8 +88,9 @@ __device__ __forceinline__ void add_one(float* dst, float v) {
 }
 
 template <typename T, int kMode>
-__global__ void __launch_bounds__(kP2PThreads) scatter_add_p2p_kernel(const Task* tasks, int ntasks, float scale) {
-  const Task t = tasks[find_task(tasks, ntasks, blockIdx.x)];
+__global__ void __launch_bounds__(kP2PThreads) scatter_add_p2p_kernel(const __grid_constant__ TaskTable tasks,
+                                                                        int ntasks, float scale) {
+  const Task t = tasks.t[find_task(tasks, ntasks, blockIdx.x)];
   float* dst = reinterpret_cast<float*>(t.dst);
   const T* src = reinterpret_cast<const T*>(t.src);
   const int64_t block = int64_t(blockIdx.x) - t.first;
@@ -120,12 +128,13 @@ __global__ void __launch_bounds__(kP2PThreads) scatter_add_p2p_kernel(const Task
 }
 
 template <typename T>
-__global__ void __launch_bounds__(kRmaThreads) scatter_add_rma_kernel(const Task* tasks, int ntasks, int64_t nchunks,
-                                                                     float scale, float* scratch) {
+__global__ void __launch_bounds__(kRmaThreads) scatter_add_rma_kernel(const __grid_constant__ TaskTable tasks,
+                                                                     int ntasks, int64_t nchunks, float scale,
+                                                                     float* scratch) {
   // scratch is symmetric (remote transports may only read/write registered memory); one chunk per CTA.
   float* buf = scratch + int64_t(blockIdx.x) * kRmaChunkElems;
   for (int64_t c = blockIdx.x; c < nchunks; c += gridDim.x) {
-    const Task t = tasks[find_task(tasks, ntasks, c)];
+    const Task t = tasks.t[find_task(tasks, ntasks, c)];
     const int64_t start = (c - t.first) * kRmaChunkElems;
     const int64_t len = min(kRmaChunkElems, t.n - start);
     float* remote = reinterpret_cast<float*>(t.dst) + start;
@@ -185,12 +194,24 @@ void* odc_peer_ptr(void* sym, int pe) { return nvshmem_ptr(sym, pe); }  // NULL 
 
 // -- gather: copy-engine reads --------------------------------------------------------------------------------------
 
-// Peer-pointer path: plain device-to-device copies from the peers' mapped memory (copy engines over NVLink).
+// Peer-pointer path: plain device-to-device copies from the peers' mapped memory (copy engines over NVLink). One
+// cudaMemcpyBatchAsync call covers a whole bucket (a per-copy cudaMemcpyAsync costs microseconds of host time each);
+// the legacy default stream does not take batches, so there (and if the driver refuses) copies go one by one.
 int odc_copy_batch(int n, const int64_t* dst, const int64_t* src, const int64_t* nbytes, void* stream) {
+  cudaStream_t s = static_cast<cudaStream_t>(stream);
+  if (n > 1 && s != nullptr && s != cudaStreamLegacy) {
+    cudaMemcpyAttributes attr = {};
+    attr.srcAccessOrder = cudaMemcpySrcAccessOrderStream;
+    size_t attr_index = 0;
+    cudaError_t err = cudaMemcpyBatchAsync(reinterpret_cast<void* const*>(dst), reinterpret_cast<const void* const*>(src),
+                                           reinterpret_cast<const size_t*>(nbytes), size_t(n), &attr, &attr_index, 1, s);
+    if (err == cudaSuccess) return 0;
+    cudaGetLastError();  // not fatal: fall back to single copies
+  }
   for (int i = 0; i < n; ++i) {
     if (nbytes[i] == 0) continue;
     cudaError_t err = cudaMemcpyAsync(reinterpret_cast<void*>(dst[i]), reinterpret_cast<const void*>(src[i]),
-                                      size_t(nbytes[i]), cudaMemcpyDeviceToDevice, static_cast<cudaStream_t>(stream));
+                                      size_t(nbytes[i]), cudaMemcpyDeviceToDevice, s);
     if (err != cudaSuccess) return set_error(err, "odc_copy_batch: cudaMemcpyAsync");
   }
   return 0;
@@ -214,45 +235,67 @@ int odc_quiet_on_stream(void* stream) {
 
 // -- scatter-accumulate -------------------------------------------------------------------------------------------
 
-int odc_scatter_add_p2p(const void* tasks, int ntasks, int64_t nblocks, int src_dtype, float scale, int mode,
-                        void* stream) {
-  if (ntasks == 0 || nblocks == 0) return 0;
-  const Task* t = static_cast<const Task*>(tasks);
-  cudaStream_t s = static_cast<cudaStream_t>(stream);
-  dim3 grid(static_cast<unsigned>(nblocks));
+// Fills `table` with tasks [begin, end) and numbers their blocks/chunks of `unit` elements; returns the total.
+static int64_t fill_table(TaskTable* table, const Task* tasks, int begin, int end, int64_t unit) {
+  int64_t total = 0;
+  for (int i = begin; i < end; ++i) {
+    table->t[i - begin] = tasks[i];
+    table->t[i - begin].first = total;
+    total += (tasks[i].n + unit - 1) / unit;
+  }
+  return total;
+}
+
+int odc_scatter_add_p2p(const int64_t* host_tasks, int ntasks, int src_dtype, float scale, int mode, void* stream) {
   if (mode < kAtomicScalar || mode > kPlainRmw) {
     snprintf(g_error, sizeof(g_error), "odc_scatter_add_p2p: bad mode %d", mode);
     return -1;
   }
-#define ODC_LAUNCH_P2P(T)                                                                               \
-  (mode == kAtomicScalar   ? scatter_add_p2p_kernel<T, kAtomicScalar><<<grid, kP2PThreads, 0, s>>>(t, ntasks, scale) \
-   : mode == kAtomicVector ? scatter_add_p2p_kernel<T, kAtomicVector><<<grid, kP2PThreads, 0, s>>>(t, ntasks, scale) \
-                           : scatter_add_p2p_kernel<T, kPlainRmw><<<grid, kP2PThreads, 0, s>>>(t, ntasks, scale))
-  switch (src_dtype) {
-    case kF32: ODC_LAUNCH_P2P(float); break;
-    case kBF16: ODC_LAUNCH_P2P(__nv_bfloat16); break;
-    case kF16: ODC_LAUNCH_P2P(__half); break;
-    default: snprintf(g_error, sizeof(g_error), "odc_scatter_add_p2p: bad dtype %d", src_dtype); return -1;
-  }
+  const Task* tasks = reinterpret_cast<const Task*>(host_tasks);
+  cudaStream_t s = static_cast<cudaStream_t>(stream);
+  TaskTable table;
+  for (int begin = 0; begin < ntasks; begin += kMaxTasks) {
+    const int count = ntasks - begin < kMaxTasks ? ntasks - begin : kMaxTasks;
+    const int64_t nblocks = fill_table(&table, tasks, begin, begin + count, kP2PElemsPerBlock);
+    if (nblocks == 0) continue;
+    const dim3 grid(static_cast<unsigned>(nblocks));
+#define ODC_LAUNCH_P2P(T)                                                                                            \
+  (mode == kAtomicScalar   ? scatter_add_p2p_kernel<T, kAtomicScalar><<<grid, kP2PThreads, 0, s>>>(table, count, scale) \
+   : mode == kAtomicVector ? scatter_add_p2p_kernel<T, kAtomicVector><<<grid, kP2PThreads, 0, s>>>(table, count, scale) \
+                           : scatter_add_p2p_kernel<T, kPlainRmw><<<grid, kP2PThreads, 0, s>>>(table, count, scale))
+    switch (src_dtype) {
+      case kF32: ODC_LAUNCH_P2P(float); break;
+      case kBF16: ODC_LAUNCH_P2P(__nv_bfloat16); break;
+      case kF16: ODC_LAUNCH_P2P(__half); break;
+      default: snprintf(g_error, sizeof(g_error), "odc_scatter_add_p2p: bad dtype %d", src_dtype); return -1;
+    }
 #undef ODC_LAUNCH_P2P
-  return set_error(cudaGetLastError(), "odc_scatter_add_p2p launch");
+    if (int err = set_error(cudaGetLastError(), "odc_scatter_add_p2p launch")) return err;
+  }
+  return 0;
 }
 
-int odc_scatter_add_rma(const void* tasks, int ntasks, int64_t nchunks, int src_dtype, float scale, float* scratch,
-                        int ctas, void* stream) {
-  if (ntasks == 0 || nchunks == 0) return 0;
-  const Task* t = static_cast<const Task*>(tasks);
+int odc_scatter_add_rma(const int64_t* host_tasks, int ntasks, int src_dtype, float scale, float* scratch, int ctas,
+                        void* stream) {
+  const Task* tasks = reinterpret_cast<const Task*>(host_tasks);
   cudaStream_t s = static_cast<cudaStream_t>(stream);
-  const unsigned grid = static_cast<unsigned>(nchunks < ctas ? nchunks : ctas);
-  switch (src_dtype) {
-    case kF32: scatter_add_rma_kernel<float><<<grid, kRmaThreads, 0, s>>>(t, ntasks, nchunks, scale, scratch); break;
-    case kBF16:
-      scatter_add_rma_kernel<__nv_bfloat16><<<grid, kRmaThreads, 0, s>>>(t, ntasks, nchunks, scale, scratch);
-      break;
-    case kF16: scatter_add_rma_kernel<__half><<<grid, kRmaThreads, 0, s>>>(t, ntasks, nchunks, scale, scratch); break;
-    default: snprintf(g_error, sizeof(g_error), "odc_scatter_add_rma: bad dtype %d", src_dtype); return -1;
+  TaskTable table;
+  for (int begin = 0; begin < ntasks; begin += kMaxTasks) {
+    const int count = ntasks - begin < kMaxTasks ? ntasks - begin : kMaxTasks;
+    const int64_t nchunks = fill_table(&table, tasks, begin, begin + count, kRmaChunkElems);
+    if (nchunks == 0) continue;
+    const unsigned grid = static_cast<unsigned>(nchunks < ctas ? nchunks : ctas);
+    switch (src_dtype) {
+      case kF32: scatter_add_rma_kernel<float><<<grid, kRmaThreads, 0, s>>>(table, count, nchunks, scale, scratch); break;
+      case kBF16:
+        scatter_add_rma_kernel<__nv_bfloat16><<<grid, kRmaThreads, 0, s>>>(table, count, nchunks, scale, scratch);
+        break;
+      case kF16: scatter_add_rma_kernel<__half><<<grid, kRmaThreads, 0, s>>>(table, count, nchunks, scale, scratch); break;
+      default: snprintf(g_error, sizeof(g_error), "odc_scatter_add_rma: bad dtype %d", src_dtype); return -1;
+    }
+    if (int err = set_error(cudaGetLastError(), "odc_scatter_add_rma launch")) return err;
   }
-  return set_error(cudaGetLastError(), "odc_scatter_add_rma launch");
+  return 0;
 }
 
 }  // extern "C"

@@ -24,6 +24,7 @@ from __future__ import annotations
 import os
 from typing import Sequence
 
+import numpy as np
 import torch
 import torch.distributed as dist
 
@@ -55,6 +56,12 @@ class _Buffer:
         self.data = data
         self.staging = staging
         self.staging_view = staging_view  # (W-1, numel) float32: slot s holds source slot_source[s]'s pushes
+
+
+def _segment_arrays(segments: Sequence[Segment]) -> tuple[np.ndarray, np.ndarray]:
+    lengths = np.fromiter((s.length for s in segments), np.int64, len(segments))
+    offsets = np.fromiter((s.offset for s in segments), np.int64, len(segments))
+    return lengths, offsets
 
 
 def _tensor_at(ptr: int, nbytes: int, device: torch.device) -> torch.Tensor:
@@ -118,7 +125,6 @@ class NvshmemTransport(Transport):
             reachable = torch.tensor([int(all(probe.peer))], dtype=torch.int32)
             dist.all_reduce(reachable, op=dist.ReduceOp.MIN, group=self.group)
             self.remote = not bool(reachable.item())
-        self._p2p_block = self.lib.p2p_elems_per_block()
         self._rma_chunk = self.lib.rma_chunk_elems()
 
     def _malloc(self, nbytes: int) -> int:
@@ -172,106 +178,103 @@ class NvshmemTransport(Transport):
 
     # -- gather ---------------------------------------------------------------------------------------------------------
     def gather(self, source: SymmetricBuffer, segments: Sequence[Segment], outputs: Sequence[torch.Tensor]) -> None:
+        if not segments:
+            return
         data: _Allocation = source.handle.data
         itemsize = source.local.element_size()
-        dst, src, nbytes, pes = [], [], [], []
-        # Start with the next rank so that W ranks gathering at once spread their reads over all owners.
-        order = [(self.rank + k) % self.world_size for k in range(1, self.world_size + 1)]
         for seg, out in zip(segments, outputs):
             if out.dtype != source.dtype or not out.is_contiguous() or out.numel() < self.world_size * seg.length:
                 raise OdcError(f"ds_odc: gather output must be contiguous {source.dtype} of "
                                f"{self.world_size * seg.length} elements, got {out.dtype} {tuple(out.shape)}")
-            base = out.data_ptr()
-            for r in order:
-                dst.append(base + r * seg.length * itemsize)
-                src.append((data.ptr if self.remote else data.peer[r]) + seg.offset * itemsize)
-                nbytes.append(seg.length * itemsize)
-                pes.append(self.pes[r])
+        lengths, offsets = _segment_arrays(segments)
+        out_ptrs = np.fromiter((o.data_ptr() for o in outputs), np.int64, len(outputs))
+        dst, src, nbytes, pes = [], [], [], []
+        for r in self._owner_order():  # W ranks gathering at once spread their reads over all owners
+            base = data.ptr if self.remote else data.peer[r]
+            dst.append(out_ptrs + r * lengths * itemsize)
+            src.append(base + offsets * itemsize)
+            nbytes.append(lengths * itemsize)
+            pes.append(np.full(len(segments), self.pes[r], np.int64))
+        dst, src, nbytes, pes = (np.ascontiguousarray(np.concatenate(a)) for a in (dst, src, nbytes, pes))
         stream = torch.cuda.current_stream(self.device).cuda_stream
         if self.remote:
-            self.lib.get_batch(dst, src, nbytes, pes, stream)
+            self.lib.get_batch(dst.ctypes.data, src.ctypes.data, nbytes.ctypes.data, pes.ctypes.data, len(dst), stream)
         else:
-            self.lib.copy_batch(dst, src, nbytes, stream)
+            self.lib.copy_batch(dst.ctypes.data, src.ctypes.data, nbytes.ctypes.data, len(dst), stream)
+
+    def _owner_order(self) -> list[int]:
+        """Owners starting with the next rank, so that concurrent callers do not all hit rank 0 first."""
+        return [(self.rank + k) % self.world_size for k in range(1, self.world_size + 1)]
 
     # -- scatter-accumulate ---------------------------------------------------------------------------------------------
     def scatter_accumulate(self, accumulator: SymmetricBuffer, segments: Sequence[Segment],
                            inputs: Sequence[torch.Tensor], scale: float = 1.0) -> None:
         if not segments:
             return
-        inputs = [inp.reshape(-1) for inp in inputs]
-        dtypes = {inp.dtype for inp in inputs}
-        if len(dtypes) != 1 or next(iter(dtypes)) not in _SRC_DTYPES:
-            raise OdcError(f"ds_odc: scatter_accumulate inputs must share one of {list(_SRC_DTYPES)}, got {dtypes}")
-        inputs = [inp if inp.is_contiguous() else inp.contiguous() for inp in inputs]
+        dtype = inputs[0].dtype
+        if dtype not in _SRC_DTYPES or any(inp.dtype != dtype or not inp.is_contiguous() for inp in inputs):
+            raise OdcError(f"ds_odc: scatter_accumulate inputs must be contiguous and share one of "
+                           f"{list(_SRC_DTYPES)}, got {sorted({str(i.dtype) for i in inputs})}")
+        handle: _Buffer = accumulator.handle
+        staging = handle.staging
         if self.remote:
-            self._scatter_rma(accumulator, segments, inputs, scale)
+            targets = self._rma_targets(accumulator)
         else:
-            self._scatter_p2p(accumulator, segments, inputs, scale)
-
-    def _pieces(self, segments: Sequence[Segment], inputs: Sequence[torch.Tensor]):
-        """(owner rank, segment, input, start in input, element count) for every slice that exists."""
-        for seg, inp in zip(segments, inputs):
-            for k in range(1, self.world_size + 1):
-                r = (self.rank + k) % self.world_size
-                start = r * seg.length
-                n = min(seg.length, inp.numel() - start)
-                if n > 0:
-                    yield r, seg, inp, start, n
-
-    def _launch_tasks(self, rows: list[list[int]], unit: int) -> tuple[torch.Tensor, int]:
-        """Assign each task its first block/chunk (rows: dst, src, n, pe) and ship the table to the GPU."""
-        total = 0
-        table = []
-        for dst, src, n, pe in rows:
-            table.append([dst, src, n, total, pe, 0])
-            total += (n + unit - 1) // unit
-        host = torch.tensor(table, dtype=torch.int64).pin_memory()
-        # Freed after the launch but reused only by later work on this stream, so the kernel still sees it intact.
-        return host.to(self.device, non_blocking=True), total
-
-    def _scatter_p2p(self, acc, segments, inputs, scale) -> None:
-        """One kernel for every (parameter, owner) slice, writing through peer pointers."""
-        data: _Allocation = acc.handle.data
-        staging: _Allocation | None = acc.handle.staging
-        if staging is None and self.scatter_method == "staging":
-            raise OdcError("ds_odc: this accumulator was allocated without staging slots; choose scatter_method "
-                           "'staging' before allocating it")
-        esize = inputs[0].element_size()
-        slot_bytes = acc.numel * 4
-        rows = []
-        for r, seg, inp, start, n in self._pieces(segments, inputs):
-            if staging is None or r == self.rank:  # atomics go straight in; with staging only we write acc.local
-                dst = data.peer[r]
-            else:
-                dst = staging.peer[r] + self._slot(self.rank, r) * slot_bytes
-            rows.append([dst + seg.offset * 4, inp.data_ptr() + start * esize, n, 0])
-        if not rows:
+            if staging is None and self.scatter_method == "staging":
+                raise OdcError("ds_odc: this accumulator was allocated without staging slots; choose scatter_method "
+                               "'staging' before allocating it")
+            targets = self._p2p_targets(accumulator)
+        tasks = self._tasks(segments, inputs, targets)
+        if len(tasks) == 0:
             return
-        tasks, blocks = self._launch_tasks(rows, self._p2p_block)
-        stream = torch.cuda.current_stream(self.device).cuda_stream
-        self.lib.scatter_add_p2p(tasks.data_ptr(), len(rows), blocks, _SRC_DTYPES[inputs[0].dtype], float(scale),
-                                 _P2P_MODES[self.scatter_method], stream)
-
-    def _scatter_rma(self, acc, segments, inputs, scale) -> None:
-        data: _Allocation = acc.handle.data
-        staging: _Allocation = acc.handle.staging
-        esize = inputs[0].element_size()
-        slot_bytes = acc.numel * 4
-        rows = []
-        for r, seg, inp, start, n in self._pieces(segments, inputs):
-            # Own slice: straight into the local accumulator (only this rank writes it); others: into our slot there.
-            dst = data.ptr if r == self.rank else staging.ptr + self._slot(self.rank, r) * slot_bytes
-            rows.append([dst + seg.offset * 4, inp.data_ptr() + start * esize, n, self.pes[r]])
-        if not rows:
-            return
-        tasks, chunks = self._launch_tasks(rows, self._rma_chunk)
         stream = torch.cuda.current_stream(self.device)
-        if self._scratch_done is not None:  # one scratch area: launches from different streams must not overlap
-            stream.wait_event(self._scratch_done)
-        self.lib.scatter_add_rma(tasks.data_ptr(), len(rows), chunks, _SRC_DTYPES[inputs[0].dtype], float(scale),
-                                 self._scratch.ptr, _RMA_CTAS, stream.cuda_stream)
-        self._scratch_done = torch.cuda.Event()
-        self._scratch_done.record(stream)
+        if self.remote:
+            if self._scratch_done is not None:  # one scratch area: launches from different streams must not overlap
+                stream.wait_event(self._scratch_done)
+            self.lib.scatter_add_rma(tasks.ctypes.data, len(tasks), _SRC_DTYPES[dtype], float(scale),
+                                     self._scratch.ptr, _RMA_CTAS, stream.cuda_stream)
+            self._scratch_done = torch.cuda.Event()
+            self._scratch_done.record(stream)
+        else:
+            self.lib.scatter_add_p2p(tasks.ctypes.data, len(tasks), _SRC_DTYPES[dtype], float(scale),
+                                     _P2P_MODES[self.scatter_method], stream.cuda_stream)
+
+    def _p2p_targets(self, acc: SymmetricBuffer) -> list[int]:
+        """Per owner rank, the address (through peer pointers) that element 0 of this rank's pushes lands on."""
+        data, staging = acc.handle.data, acc.handle.staging
+        if staging is None:  # reductions straight into every owner's accumulator
+            return list(data.peer)
+        # single-writer slots on the others; our own slice goes straight into acc.local, which only we write
+        slot_bytes = acc.numel * 4
+        return [data.ptr if r == self.rank else staging.peer[r] + self._slot(self.rank, r) * slot_bytes
+                for r in range(self.world_size)]
+
+    def _rma_targets(self, acc: SymmetricBuffer) -> list[int]:
+        """Per owner rank, the symmetric address of our slot there (our own slice: the accumulator itself)."""
+        data, staging = acc.handle.data, acc.handle.staging
+        slot_bytes = acc.numel * 4
+        return [data.ptr if r == self.rank else staging.ptr + self._slot(self.rank, r) * slot_bytes
+                for r in range(self.world_size)]
+
+    def _tasks(self, segments, inputs, targets) -> np.ndarray:
+        """[tasks, 6] int64 rows (dst, src, n, -, pe, -) for every (segment, owner) slice that exists.
+
+        ``inputs[i]`` may stop short of ``W * length``: the missing tail is padding owned by the last ranks."""
+        lengths, offsets = _segment_arrays(segments)
+        src_ptrs = np.fromiter((t.data_ptr() for t in inputs), np.int64, len(inputs))
+        numels = np.fromiter((t.numel() for t in inputs), np.int64, len(inputs))
+        esize = inputs[0].element_size()
+        blocks = []
+        for r in self._owner_order():
+            n = np.minimum(lengths, numels - r * lengths)
+            keep = n > 0
+            rows = np.zeros((int(keep.sum()), 6), np.int64)
+            rows[:, 0] = targets[r] + offsets[keep] * 4
+            rows[:, 1] = src_ptrs[keep] + r * lengths[keep] * esize
+            rows[:, 2] = n[keep]
+            rows[:, 4] = self.pes[r]
+            blocks.append(rows)
+        return np.ascontiguousarray(np.concatenate(blocks))
 
     # -- synchronisation ------------------------------------------------------------------------------------------------
     def _complete_local_work(self) -> None:

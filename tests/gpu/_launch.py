@@ -9,7 +9,6 @@ from __future__ import annotations
 import json
 import os
 import signal
-import socket
 import subprocess
 import sys
 import tempfile
@@ -33,12 +32,6 @@ def needs_gpus(n: int):
     return pytest.mark.skipif(gpu_count() < n, reason=f"needs {n} CUDA GPUs (found {gpu_count()})")
 
 
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 @dataclass
 class RankRun:
     returncode: int | None  # None when killed at the timeout
@@ -53,8 +46,9 @@ class RankRun:
 def run_ranks(script: Path, args: list[str], nproc: int = 2, timeout_s: float = 240.0,
               env: dict[str, str] | None = None) -> RankRun:
     out = tempfile.mkdtemp(prefix="ds_odc_gpu_")
-    cmd = [sys.executable, "-m", "torch.distributed.run", f"--nproc_per_node={nproc}",
-           f"--master_port={free_port()}", str(script), *args, "--out", out]
+    # --standalone lets the rendezvous pick its own free port (choosing one here races with other launches)
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={nproc}", str(script),
+           *args, "--out", out]
     child_env = dict(os.environ)
     child_env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(REPO), child_env.get("PYTHONPATH")]))
     child_env.setdefault("PYTHONUNBUFFERED", "1")

@@ -61,8 +61,8 @@ def integer_data(n, source, round_, dtype, device):
     return torch.randint(-8, 9, (n,), generator=gen, device=device).to(dtype)
 
 
-def check_gather(t, rank, world, dtype):
-    segments, total = layout(LENGTHS)
+def check_gather(t, rank, world, dtype, lengths=LENGTHS):
+    segments, total = layout(lengths)
     buf = t.allocate(total, dtype)
     gen = torch.Generator(device="cuda").manual_seed(rank + 7)
     buf.local.copy_(torch.randn(total, generator=gen, device="cuda").to(dtype))
@@ -129,6 +129,19 @@ def check_exact_rounds(t, acc, rank, world, rounds_by_rank, in_dtype=torch.bfloa
     return f"rounds {rounds_by_rank}, exact"
 
 
+def on_side_stream(fn):
+    """Run ``fn`` on a non-default stream, as DeepSpeed's prefetch and reduce streams do (batched copies need one)."""
+    def run():
+        side = torch.cuda.Stream()
+        side.wait_stream(torch.cuda.current_stream())
+        with torch.cuda.stream(side):
+            detail = fn()
+        torch.cuda.current_stream().wait_stream(side)
+        torch.cuda.synchronize()
+        return detail
+    return run
+
+
 def main():
     parser = argparse.ArgumentParser()
     parser.add_argument("--scenario", choices=["main", "fence-timeout"], required=True)
@@ -166,6 +179,8 @@ def main():
         report.record("path", False, f"asked remote={remote}, got remote={t.remote}")
     report.run("gather_bf16_bitwise", lambda: check_gather(t, rank, world, torch.bfloat16))
     report.run("gather_fp32_bitwise", lambda: check_gather(t, rank, world, torch.float32))
+    many = [int(x) for x in torch.randint(1, 300, (300,), generator=torch.Generator().manual_seed(5))]
+    report.run("gather_bucket_side_stream", on_side_stream(lambda: check_gather(t, rank, world, torch.bfloat16, many)))
     segments, total = layout(LENGTHS)
     acc = t.allocate(total, torch.float32, accumulator=True)
     acc.segments = segments
@@ -175,6 +190,12 @@ def main():
                                                                                         torch.bfloat16))
     report.run("mutual_100_rounds_exact", lambda: check_exact_rounds(t, acc, rank, world, [100] * world))
     report.run("uneven_rounds_exact", lambda: check_exact_rounds(t, acc, rank, world, [3] + [0] * (world - 1)))
+    # More tasks than one kernel launch carries (300 parameters x W owners), on a side stream.
+    bucket_segments, bucket_total = layout(many)
+    bucket = t.allocate(bucket_total, torch.float32, accumulator=True)
+    bucket.segments = bucket_segments
+    report.run("bucket_300_params_exact", on_side_stream(lambda: check_exact_rounds(t, bucket, rank, world,
+                                                                                    [3, 2] + [1] * (world - 2))))
     t.close()
     report.record("closed", True)
     dist.destroy_process_group()

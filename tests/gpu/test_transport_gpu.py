@@ -15,8 +15,9 @@ from _launch import needs_gpus, run_ranks  # tests/gpu is on sys.path (rootdir c
 pytestmark = [pytest.mark.gpu, pytest.mark.slow, needs_gpus(2)]
 
 WORKER = Path(__file__).with_name("_transport_worker.py")
-CHECKS = ["gather_bf16_bitwise", "gather_fp32_bitwise", "scatter_fp32_vs_reduce_scatter",
-          "scatter_bf16_vs_reduce_scatter", "mutual_100_rounds_exact", "uneven_rounds_exact", "closed"]
+CHECKS = ["gather_bf16_bitwise", "gather_fp32_bitwise", "gather_bucket_side_stream", "scatter_fp32_vs_reduce_scatter",
+          "scatter_bf16_vs_reduce_scatter", "mutual_100_rounds_exact", "uneven_rounds_exact", "bucket_300_params_exact",
+          "closed"]
 PATHS = ["p2p", "p2p-staging", "rma"]
 _RUNS = {}
 
