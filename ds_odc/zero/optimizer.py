@@ -12,6 +12,7 @@ Data path per minibatch, on every rank, with any number of microbatches (0 inclu
 from __future__ import annotations
 
 import itertools
+import time
 
 import torch
 from deepspeed.runtime.zero.stage3 import DeepSpeedZeroOptimizer_Stage3
@@ -35,6 +36,7 @@ class OdcOptimizer(privates.Stage3Seams, DeepSpeedZeroOptimizer_Stage3):
         self.odc_accumulator: SymmetricBuffer | None = None
         self.odc_grad_offsets: dict[int, int] = {}
         self._odc_published = True
+        self.odc_wait_s = 0.0  # time the last step spent waiting for peers (fence + barrier): metrics read it
         super().__init__(*args, **kwargs)
         self._odc_place_frozen_shards()
         self._odc_rehome_accumulator()
@@ -123,7 +125,9 @@ class OdcOptimizer(privates.Stage3Seams, DeepSpeedZeroOptimizer_Stage3):
 
     # -- hop three: the step --------------------------------------------------------------------------------------
     def step(self, closure=None):
+        started = time.perf_counter()
         self.odc_transport.fence([self.odc_accumulator])
+        self.odc_wait_s = time.perf_counter() - started
         # A rank that ran no backward this minibatch never set its gradient views; the pushes of others still count.
         views = privates.grad_partition_map(self)
         for i, group in enumerate(self.fp16_groups):
@@ -138,7 +142,9 @@ class OdcOptimizer(privates.Stage3Seams, DeepSpeedZeroOptimizer_Stage3):
         """Empty the accumulator and meet the other ranks, so that nobody reads a shard before its owner updated it
         or pushes into an accumulator before its owner emptied it."""
         self.odc_transport.zero_([self.odc_accumulator])
+        started = time.perf_counter()
         self.odc_transport.barrier()
+        self.odc_wait_s += time.perf_counter() - started
         self._odc_published = True
 
     # -- things ODC does not do ------------------------------------------------------------------------------------

@@ -88,3 +88,10 @@ def test_unsupported_options_are_rejected_at_initialize():
         if option == "fp16.enabled":
             continue  # on CPU DeepSpeed itself refuses fp16 first; see tests/test_config.py for ours
         assert outcome.startswith("ValueError: ds_odc:") and option in outcome, (option, outcome)
+
+
+@pytest.mark.parametrize("launcher", ["deepspeed", "mpirun"])
+def test_other_launchers(launcher):
+    """The DeepSpeed launcher and mpirun (DeepSpeed's MPI discovery through mpi4py; MPI from the mpich wheel)."""
+    r = run(2, "uneven", "--counts", "2,1", "--steps", "2", launcher=launcher)
+    assert r["max_rel_diff"] < 1e-5, r
