@@ -1,0 +1,151 @@
+"""Loader items for ODC + LB-Mini under a trainer: one *pack* per optimizer step.
+
+A pack is this rank's whole share of one global minibatch: the list of collated microbatches the LB-Mini plan gave
+this rank (possibly none), plus the plan's position (epoch, step). Every rank builds the same
+:class:`~ds_odc.balancer.sampler.BalancedBatchSampler` and so yields the same number of packs per epoch, which is
+what a trainer loop needs (one loader item = one optimizer step on every rank), whatever the microbatch counts.
+
+The pieces fit a plain ``torch.utils.data.DataLoader``:
+``DataLoader(PackDataset(ds), batch_sampler=PackBatchSampler(sampler), collate_fn=PackCollator(collate))``.
+That shape matters for resuming: Accelerate's ``skip_first_batches`` rebuilds a loader from exactly
+``dataset``/``batch_sampler``/``collate_fn`` and drops the first batches of the batch sampler.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any, Callable, Iterator, Mapping, Sequence
+
+import torch
+
+from ds_odc.balancer.sampler import BalancedBatchSampler, RankBatch
+
+__all__ = ["Pack", "PackBatchSampler", "PackDataset", "PackCollator", "SkippedStep", "count_label_tokens"]
+
+
+@dataclass(frozen=True)
+class SkippedStep:
+    """Stands in for a minibatch that a resumed run already trained. Accelerate's ``skip_first_batches`` drops these
+    without looking at them; if one is ever fetched, the trainer and the restored sampler disagree on the position."""
+
+    epoch: int
+    step: int
+
+
+@dataclass
+class Pack:
+    """This rank's microbatches of one optimizer step.
+
+    ``microbatches`` holds collated model inputs (dicts of tensors), in execution order; it may be empty.
+    ``num_samples``/``num_tokens`` are the *global* counts of the minibatch (from the plan, the same on every rank).
+    """
+
+    microbatches: list[dict[str, Any]]
+    epoch: int
+    step: int
+    num_samples: int
+    num_tokens: int
+    sample_ids: list[list[int]] = field(default_factory=list)
+
+    def __len__(self) -> int:
+        return len(self.microbatches)
+
+    # The trainer's token counter (``include_num_input_tokens_seen``) reads ``inputs["input_ids"]``: answer it with
+    # this rank's tokens, so the count is right without special-casing packs there.
+    def __contains__(self, key: object) -> bool:
+        return key == "input_ids" or (bool(self.microbatches) and all(key in mb for mb in self.microbatches))
+
+    def __getitem__(self, key: str) -> torch.Tensor:
+        if not self.microbatches:
+            return torch.zeros(0, dtype=torch.long)
+        return torch.cat([mb[key].reshape(-1) for mb in self.microbatches])
+
+    def pin_memory(self) -> "Pack":
+        """Called by ``DataLoader(pin_memory=True)`` on each item."""
+        self.microbatches = [{k: v.pin_memory() if torch.is_tensor(v) else v for k, v in mb.items()}
+                             for mb in self.microbatches]
+        return self
+
+
+class PackBatchSampler:
+    """A ``batch_sampler`` yielding, per optimizer step, ``[RankBatch]``: one key that :class:`PackDataset` expands.
+
+    Resuming: :meth:`resume` loads a saved :class:`BalancedBatchSampler` state (validated against this sampler's
+    seed, world size, minibatch size and planner). When the trainer then calls ``set_epoch`` for that epoch, the
+    sampler restarts at the saved step; the steps before it are yielded as :class:`SkippedStep` placeholders, so the
+    trainer's own fast-forward (``skip_first_batches``) drops them without re-planning or loading any data.
+    """
+
+    def __init__(self, sampler: BalancedBatchSampler) -> None:
+        self.sampler = sampler
+        self._resume: dict[str, Any] | None = None
+
+    def __len__(self) -> int:
+        return len(self.sampler)
+
+    def resume(self, state: Mapping[str, Any]) -> None:
+        self.sampler.load_state_dict(dict(state))  # raises on a mismatched seed / world size / planner / ...
+        self._resume = dict(state)
+
+    def set_epoch(self, epoch: int) -> None:
+        if self._resume is not None and int(self._resume["epoch"]) == int(epoch):
+            self.sampler.load_state_dict(self._resume)
+        else:
+            self.sampler.set_epoch(epoch)
+        self._resume = None
+
+    def state_at(self, epoch: int, next_step: int) -> dict[str, Any]:
+        """The sampler state of a run that has trained every minibatch before ``next_step`` of ``epoch``.
+
+        Taken from the trainer's progress, not the sampler's own counter: a loader with workers runs ahead."""
+        return {**self.sampler.state_dict(), "epoch": int(epoch), "step": int(next_step)}
+
+    def __iter__(self) -> Iterator[list]:
+        state = self.sampler.state_dict()
+        for step in range(state["step"]):
+            yield [SkippedStep(state["epoch"], step)]
+        for batch in self.sampler:
+            yield [batch]
+
+
+class PackDataset(torch.utils.data.Dataset):
+    """Maps a :class:`RankBatch` to the samples of its microbatches (``dataset[i]`` for every index)."""
+
+    def __init__(self, dataset: Any) -> None:
+        self.dataset = dataset
+
+    def __len__(self) -> int:
+        return len(self.dataset)
+
+    def __getitem__(self, key: RankBatch) -> tuple[RankBatch, list[list[Any]]]:
+        if isinstance(key, SkippedStep):
+            raise RuntimeError(
+                f"ds_odc: the loader reached minibatch {key.step} of epoch {key.epoch}, which the restored balancer "
+                "state marks as already trained, but the trainer did not skip it. The checkpoint's trainer state and "
+                "its ds_odc balancer state disagree; resume from an untouched checkpoint folder.")
+        return key, [[self.dataset[i] for i in mb] for mb in key.microbatches]
+
+
+class PackCollator:
+    """Collates each microbatch of a pack with ``collate`` (a list of samples -> dict of tensors)."""
+
+    def __init__(self, collate: Callable[[Sequence[Any]], dict[str, Any]]) -> None:
+        self.collate = collate
+
+    def __call__(self, items: Sequence[tuple[RankBatch, list[list[Any]]]]) -> Pack:
+        if len(items) != 1:
+            raise ValueError(f"ds_odc: expected one pack per loader item, got {len(items)}")
+        batch, samples = items[0]
+        return Pack(microbatches=[dict(self.collate(mb)) for mb in samples], epoch=batch.epoch, step=batch.step,
+                    num_samples=batch.num_samples, num_tokens=batch.num_tokens, sample_ids=batch.microbatches)
+
+
+def count_label_tokens(microbatch: Mapping[str, Any], shifted: bool = True, ignore_index: int = -100) -> int:
+    """Loss terms of one microbatch as the trainer counts them: ``shift_labels`` if given, else ``labels`` after the
+    causal shift (``shifted``), else 0 (no labels)."""
+    if "shift_labels" in microbatch:
+        return int((microbatch["shift_labels"] != ignore_index).sum())
+    labels = microbatch.get("labels")
+    if labels is None:
+        return 0
+    return int(((labels[..., 1:] if shifted else labels) != ignore_index).sum())

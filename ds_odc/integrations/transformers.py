@@ -1,0 +1,308 @@
+"""``OdcTrainer``: the Hugging Face ``Trainer`` with ODC and LB-Mini, switched on by the ds_config.
+
+With ``"zero_optimization": {"stage": 3, "odc": true}`` in ``TrainingArguments(deepspeed=...)``, every optimizer step
+trains one global minibatch of ``per_device_train_batch_size * gradient_accumulation_steps * world_size`` samples,
+split over the ranks by LB-Mini (:mod:`ds_odc.balancer`): each rank gets a different number of microbatches (0
+included), each microbatch at most ``max_tokens_per_microbatch`` tokens. Without ``odc`` every method below defers to
+the stock ``Trainer``.
+
+How it plugs in (public ``Trainer`` methods only; see docs/HF_TRAINER.md):
+
+* the train loader yields one *pack* per optimizer step: this rank's microbatches of the step, from the same global
+  plan on every rank (no communication). ``TrainingArguments.gradient_accumulation_steps`` becomes 1 on the trainer's
+  copy of the args, so the Trainer's own loop runs exactly one ``training_step`` per optimizer step;
+* ``get_batch_samples`` counts the pack's label tokens and sums them over ranks (the Trainer's one all-gather per
+  step), so ``num_items_in_batch`` is the global token count and the loss the global token mean, as stock;
+* ``training_step`` runs the pack's microbatches through the stock ``training_step`` with gradient sync off (ODC
+  pushes gradients as they come), then takes DeepSpeed's step at an explicit accumulation boundary: ranks meet there.
+"""
+
+from __future__ import annotations
+
+import copy
+import json
+import os
+import time
+from typing import Any
+
+import torch
+from transformers import Trainer
+from transformers.trainer_utils import get_last_checkpoint
+from transformers.utils import logging
+
+import ds_odc
+from ds_odc.balancer.collate import PackedCollator
+from ds_odc.balancer.sampler import BalancedBatchSampler, lengths_from_dataset
+from ds_odc.config import odc_config_from_ds_config
+from ds_odc.integrations._metrics import BalanceMeter
+from ds_odc.integrations._packs import Pack, PackBatchSampler, PackCollator, PackDataset, count_label_tokens
+
+ds_odc.patch()  # the `odc` key must parse before TrainingArguments / zero.Init read the ds_config
+
+logger = logging.get_logger(__name__)
+
+__all__ = ["OdcTrainer", "odc_enabled", "BALANCER_STATE_NAME"]
+
+BALANCER_STATE_NAME = "ds_odc_balancer.json"
+
+
+def odc_enabled(args) -> bool:
+    """Whether ``TrainingArguments`` carry a DeepSpeed config with ``zero_optimization.odc`` on."""
+    hf_ds = getattr(args, "hf_deepspeed_config", None)
+    config = getattr(hf_ds, "config", None)
+    if not isinstance(config, dict):
+        return False
+    return bool(odc_config_from_ds_config(config).enabled)
+
+
+class OdcTrainer(Trainer):
+    """``transformers.Trainer`` that trains with ODC + LB-Mini when the ds_config turns ``odc`` on.
+
+    Extra keyword arguments (all optional):
+        balancer_planner: ``"lb-mini"`` (default; variable microbatches per rank), or the collective-compatible
+            ``"lb-micro"`` / ``"local-sort"`` (same count on every rank) for comparisons.
+        max_tokens_per_microbatch: token budget of one microbatch; ``None`` = one sample per microbatch.
+        length_column: dataset column with the token lists (``"input_ids"``) or with precomputed lengths.
+        balancer_cost: cost model that LB-Mini balances (``"tokens"``, ``"quadratic"`` or a CostModel).
+        oversize: what to do with samples longer than the budget: ``"error"``, ``"truncate"`` or ``"skip"``.
+        microbatch_collator: how a microbatch (a list of samples) becomes model inputs: ``"packed"`` (one padding-free
+            row, :class:`~ds_odc.balancer.collate.PackedCollator`), ``"trainer"`` (the ``data_collator``), or a
+            callable. Default: the ``data_collator`` if one was passed, else ``"packed"``.
+    """
+
+    def __init__(self, model=None, args=None, *trainer_args, balancer_planner: str = "lb-mini",
+                 max_tokens_per_microbatch: int | None = None, length_column: str = "input_ids",
+                 balancer_cost: Any = "tokens", oversize: str = "error", microbatch_collator: Any = None,
+                 **trainer_kwargs):
+        ds_odc.patch()
+        self.odc = args is not None and odc_enabled(args)
+        if self.odc:
+            # Samples per rank per optimizer step, as the stock Trainer counts them; the loader then yields one pack
+            # per step, so the Trainer's own accumulation must be 1 (on a copy: the caller's args stay as given).
+            self.odc_samples_per_rank = args.per_device_train_batch_size * args.gradient_accumulation_steps
+            args = copy.copy(args)
+            args.gradient_accumulation_steps = 1
+        user_collator = trainer_kwargs.get("data_collator", trainer_args[0] if trainer_args else None)
+        super().__init__(model, args, *trainer_args, **trainer_kwargs)
+        self.odc_balancer = dict(planner=balancer_planner, max_tokens=max_tokens_per_microbatch, cost=balancer_cost,
+                                 oversize=oversize)
+        self.odc_length_column = length_column
+        if microbatch_collator is None:
+            microbatch_collator = "trainer" if user_collator is not None else "packed"
+        self.odc_microbatch_collator = microbatch_collator
+        self.odc_pack_sampler: PackBatchSampler | None = None
+        self.odc_meter: BalanceMeter | None = None
+        self._odc_resume_dir: str | None = None
+        self._odc_position: tuple[int, int] | None = None  # (epoch, next step) after the last trained pack
+        self._odc_global_label_tokens: torch.Tensor | None = None
+        self._odc_pack_microbatch: dict | None = None  # the raw microbatch compute_loss is working on
+
+    # -- data ---------------------------------------------------------------------------------------------------------
+    def _odc_collate_fn(self):
+        choice = self.odc_microbatch_collator
+        if callable(choice):
+            return choice
+        if choice == "trainer":
+            return self.data_collator
+        if choice == "packed":
+            pad = getattr(self.processing_class, "pad_token_id", None)
+            return PackedCollator(pad_token_id=pad if pad is not None else 0)
+        raise ValueError(f"ds_odc: microbatch_collator must be 'packed', 'trainer' or a callable, got {choice!r}")
+
+    def get_train_dataloader(self):
+        if not self.odc:
+            return super().get_train_dataloader()
+        if self.train_dataset is None:
+            raise ValueError("Trainer: training requires a train_dataset.")
+        dataset = self.train_dataset
+        if isinstance(dataset, torch.utils.data.IterableDataset) or not hasattr(dataset, "__len__"):
+            raise ValueError("ds_odc: LB-Mini plans whole minibatches from sample lengths, so OdcTrainer with ODC needs "
+                             "a map-style train_dataset with a length column")
+        lengths = _dataset_lengths(dataset, self.odc_length_column)  # before column removal drops a length column
+        if self.args.remove_unused_columns and hasattr(self, "_remove_unused_columns") and hasattr(dataset, "column_names"):
+            dataset = self._remove_unused_columns(dataset, description="training")  # what the stock loader does
+        seed = self.args.data_seed if self.args.data_seed is not None else self.args.seed
+        sampler = BalancedBatchSampler(lengths, world_size=self.args.world_size, rank=self.args.process_index,
+                                       minibatch_size=self.odc_samples_per_rank, seed=seed,
+                                       drop_last=True, **self.odc_balancer)
+        if len(sampler) == 0:
+            raise ValueError(f"ds_odc: the train dataset has {len(lengths)} samples, fewer than one global minibatch "
+                             f"({sampler.global_minibatch_size} = per_device_train_batch_size x "
+                             "gradient_accumulation_steps x world size)")
+        self.odc_pack_sampler = PackBatchSampler(sampler)
+        self._odc_restore_balancer()
+        self.odc_meter = BalanceMeter(self.args.world_size)
+        # Not passed through accelerator.prepare: the sampler is already rank-aware, and a sharding wrapper would
+        # split the packs between ranks again. Batches move to the device in training_step (_prepare_inputs).
+        return _PackLoader(
+            PackDataset(dataset),
+            batch_sampler=self.odc_pack_sampler,
+            collate_fn=PackCollator(self._odc_collate_fn()),
+            num_workers=self.args.dataloader_num_workers,
+            pin_memory=self.args.dataloader_pin_memory and torch.cuda.is_available(),
+            persistent_workers=self.args.dataloader_persistent_workers and self.args.dataloader_num_workers > 0,
+            prefetch_factor=self.args.dataloader_prefetch_factor if self.args.dataloader_num_workers > 0 else None,
+        )
+
+    def get_total_train_batch_size(self, args) -> int:
+        if not self.odc:
+            return super().get_total_train_batch_size(args)
+        return self.odc_samples_per_rank * args.world_size
+
+    def get_batch_samples(self, epoch_iterator, num_batches, device):
+        if not self.odc:
+            return super().get_batch_samples(epoch_iterator, num_batches, device)
+        packs = []
+        for _ in range(num_batches):
+            try:
+                packs.append(next(epoch_iterator))
+            except StopIteration:
+                break
+        if not packs:
+            return packs, None
+        # Every rank holds a pack (same plan length), so this gather is one per step on every rank, like stock's.
+        shifted = getattr(self, "_loss_shifts_labels", True)
+        local = [sum(count_label_tokens(mb, shifted) for p in packs for mb in p.microbatches),
+                 float(any("labels" in mb or "shift_labels" in mb for p in packs for mb in p.microbatches))]
+        counts = torch.tensor(local, dtype=torch.float64, device=device)
+        if self.args.average_tokens_across_devices and self.args.world_size > 1:
+            counts = self.accelerator.gather(counts).reshape(-1, 2).sum(0)
+        if counts[1] == 0:  # no labels anywhere: the model computes its loss its own way, as stock
+            self._odc_global_label_tokens = None
+            return packs, None
+        self._odc_global_label_tokens = counts[0].to(torch.long)
+        passes_count = self.model_accepts_loss_kwargs or self.compute_loss_func is not None
+        return packs, (self._odc_global_label_tokens if passes_count else None)
+
+    # -- the step -----------------------------------------------------------------------------------------------------
+    def training_step(self, model, inputs, num_items_in_batch=None):
+        if not self.odc or not isinstance(inputs, Pack):
+            return super().training_step(model, inputs, num_items_in_batch)
+        pack = inputs
+        self._odc_check_position(pack)
+        engine = self.model_wrapped  # the DeepSpeedEngine
+        state = self.accelerator.gradient_state
+        accelerator = _accelerator()
+        started = time.perf_counter()
+        total = torch.zeros((), device=self.args.device)
+        for mb in pack.microbatches:
+            # Sync off: Accelerate then marks no boundary and does not step; ODC pushes this microbatch's gradients.
+            state._set_sync_gradients(False)
+            self._odc_pack_microbatch = mb
+            total = total + super().training_step(model, self._odc_model_inputs(mb), num_items_in_batch)
+        self._odc_pack_microbatch = None
+        accelerator.synchronize()  # GPU work is asynchronous: busy ends when it is done, not when it is queued
+        busy = time.perf_counter() - started
+        state._set_sync_gradients(True)
+        # The one meeting per step: every rank, with any number of microbatches (0 too), steps once at a boundary.
+        engine.set_gradient_accumulation_boundary(True)
+        engine.step()
+        step_time = time.perf_counter() - started
+        tokens = sum(int(mb["input_ids"].numel()) for mb in pack.microbatches if "input_ids" in mb)
+        stats = self.odc_meter.local_stats(busy, step_time, len(pack.microbatches), tokens, self.args.device)
+        gathered = self.accelerator.gather(stats) if self.args.world_size > 1 else stats
+        self.odc_meter.add(gathered, pack.num_samples, pack.num_tokens)
+        self._odc_position = (pack.epoch, pack.step + 1)
+        return total.detach()
+
+    def compute_loss(self, model, inputs, return_outputs=False, num_items_in_batch=None):
+        out = super().compute_loss(model, inputs, return_outputs=return_outputs, num_items_in_batch=num_items_in_batch)
+        if not (self.odc and model.training and num_items_in_batch is None and self._odc_global_label_tokens is not None
+                and getattr(self, "_odc_pack_microbatch", None) is not None):
+            return out
+        # The model averaged over this microbatch's tokens only (it takes no num_items_in_batch): reweight it to its
+        # share of the global token mean, times W for ZeRO's averaging over ranks.
+        loss = out[0] if return_outputs else out
+        n_local = count_label_tokens(self._odc_pack_microbatch, getattr(self, "_loss_shifts_labels", True))
+        scale = n_local / max(int(self._odc_global_label_tokens), 1)
+        if self.args.average_tokens_across_devices:
+            scale *= self.args.world_size
+        loss = loss * scale
+        return (loss, out[1]) if return_outputs else loss
+
+    def _odc_model_inputs(self, mb: dict) -> dict:
+        # A packed row (position ids restart, no attention mask) gets per-sample causal masks only without a KV
+        # cache; models default to use_cache=True from their config, which would let samples attend to each other.
+        config = getattr(self.model, "config", None)
+        if "position_ids" in mb and "attention_mask" not in mb and getattr(config, "use_cache", False):
+            return {**mb, "use_cache": False}
+        return mb
+
+    def floating_point_ops(self, inputs) -> int:
+        if isinstance(inputs, Pack):
+            return sum(super(OdcTrainer, self).floating_point_ops(mb) for mb in inputs.microbatches)
+        return super().floating_point_ops(inputs)
+
+    def _odc_check_position(self, pack: Pack) -> None:
+        """One pack per optimizer step, in plan order: anything else means the loader and the Trainer disagree."""
+        per_epoch = len(self.odc_pack_sampler)
+        expected = divmod(self.state.global_step, per_epoch)
+        if (pack.epoch, pack.step) != expected:
+            raise RuntimeError(f"ds_odc: the Trainer is at optimizer step {self.state.global_step} (epoch {expected[0]},"
+                               f" minibatch {expected[1]}) but the loader gave minibatch {pack.step} of epoch "
+                               f"{pack.epoch}")
+
+    # -- logs -----------------------------------------------------------------------------------------------------------
+    def log(self, logs: dict[str, float], *args, **kwargs) -> None:
+        if self.odc and self.odc_meter is not None and "loss" in logs:
+            logs.update(self.odc_meter.summary())
+            self.odc_meter.reset()
+        super().log(logs, *args, **kwargs)
+
+    # -- checkpoints ------------------------------------------------------------------------------------------------
+    def train(self, resume_from_checkpoint=None, *args, **kwargs):
+        if self.odc and isinstance(resume_from_checkpoint, bool) and resume_from_checkpoint:
+            resume_from_checkpoint = get_last_checkpoint(self.args.output_dir)
+            if resume_from_checkpoint is None:
+                raise ValueError(f"No valid checkpoint found in output directory ({self.args.output_dir})")
+        self._odc_resume_dir = resume_from_checkpoint or None
+        return super().train(resume_from_checkpoint, *args, **kwargs)
+
+    def save_model(self, output_dir: str | None = None, _internal_call: bool = False) -> None:
+        super().save_model(output_dir, _internal_call=_internal_call)
+        # Checkpoints (the Trainer's internal call) also record where the balancer stands.
+        if self.odc and _internal_call and self._odc_position is not None and self.args.should_save:
+            state = self.odc_pack_sampler.state_at(*self._odc_position)
+            os.makedirs(output_dir, exist_ok=True)
+            with open(os.path.join(output_dir, BALANCER_STATE_NAME), "w") as f:
+                json.dump(state, f, indent=1)
+
+    def _odc_restore_balancer(self) -> None:
+        if not self._odc_resume_dir:
+            return
+        path = os.path.join(self._odc_resume_dir, BALANCER_STATE_NAME)
+        if not os.path.isfile(path):
+            logger.warning(f"ds_odc: {path} not found; the Trainer's data skipping re-plans the skipped minibatches")
+            return
+        with open(path) as f:
+            state = json.load(f)
+        if self.args.ignore_data_skip:  # the user asked to restart the data order: only check compatibility
+            self.odc_pack_sampler.sampler.load_state_dict({**state, "step": 0})
+            return
+        self.odc_pack_sampler.resume(state)
+        logger.info(f"ds_odc: balancer resumes at epoch {state['epoch']}, minibatch {state['step']}")
+
+
+class _PackLoader(torch.utils.data.DataLoader):
+    """A DataLoader whose ``set_epoch`` reaches the pack sampler (the Trainer calls it at every epoch start)."""
+
+    def set_epoch(self, epoch: int) -> None:
+        self.batch_sampler.set_epoch(epoch)
+
+
+def _accelerator():
+    from deepspeed.accelerator import get_accelerator
+    return get_accelerator()
+
+
+def _dataset_lengths(dataset, column: str) -> list[int]:
+    if hasattr(dataset, "column_names"):  # datasets.Dataset: read the column, not every row
+        if column not in dataset.column_names:
+            raise ValueError(f"ds_odc: length_column {column!r} is not a column of the train dataset "
+                             f"({dataset.column_names})")
+        return lengths_from_dataset(dataset, column)
+    out = []
+    for i in range(len(dataset)):
+        value = dataset[i][column]
+        out.append(int(value) if isinstance(value, int) else len(value))
+    return out

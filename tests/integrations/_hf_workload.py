@@ -1,0 +1,51 @@
+"""A tiny HF causal LM, a synthetic variable-length dataset and Trainer settings for the OdcTrainer tests."""
+
+from __future__ import annotations
+
+import torch
+
+VOCAB = 256
+
+
+def tiny_llama(seed: int = 0):
+    """Random-init 2-layer Llama (about 40k params), built outside any zero.Init so copies start identical."""
+    from transformers import LlamaConfig, LlamaForCausalLM
+    torch.manual_seed(seed)
+    config = LlamaConfig(hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4,
+                         num_key_value_heads=2, vocab_size=VOCAB, max_position_embeddings=256,
+                         tie_word_embeddings=False, attn_implementation="sdpa")
+    return LlamaForCausalLM(config)
+
+
+def token_dataset(num_samples: int, min_len: int = 4, max_len: int = 40, seed: int = 0):
+    """``datasets.Dataset`` with one ``input_ids`` column of random tokens and random lengths."""
+    from datasets import Dataset
+    g = torch.Generator().manual_seed(seed)
+    lengths = torch.randint(min_len, max_len + 1, (num_samples,), generator=g).tolist()
+    return Dataset.from_dict({"input_ids": [torch.randint(0, VOCAB, (n,), generator=g).tolist() for n in lengths]})
+
+
+def ds_config(odc: bool) -> dict:
+    zero = {"stage": 3, "stage3_param_persistence_threshold": 0, "reduce_bucket_size": 3000,
+            "stage3_prefetch_bucket_size": 3000, "overlap_comm": False, "contiguous_gradients": True,
+            "stage3_gather_16bit_weights_on_model_save": True}
+    if odc:
+        zero["odc"] = True
+    return {"train_micro_batch_size_per_gpu": "auto", "gradient_accumulation_steps": "auto",
+            "train_batch_size": "auto", "gradient_clipping": "auto", "zero_optimization": zero,
+            "zero_allow_untested_optimizer": True, "steps_per_print": 10**9, "wall_clock_breakdown": False}
+
+
+def training_args(output_dir: str, odc: bool, **overrides):
+    from transformers import TrainingArguments
+    kwargs = dict(output_dir=output_dir, per_device_train_batch_size=2, gradient_accumulation_steps=2, max_steps=4,
+                  learning_rate=1e-3, lr_scheduler_type="constant", warmup_steps=0, weight_decay=0.0,
+                  max_grad_norm=1.0, logging_steps=1, save_strategy="no", report_to=[], use_cpu=True,
+                  optim="adamw_torch", deepspeed=ds_config(odc), seed=0, disable_tqdm=True,
+                  dataloader_num_workers=0, dataloader_pin_memory=False)
+    kwargs.update(overrides)
+    return TrainingArguments(**kwargs)
+
+
+def logged(trainer, key: str) -> list[float]:
+    return [entry[key] for entry in trainer.state.log_history if key in entry and "train_runtime" not in entry]
