@@ -22,7 +22,11 @@ from typing import Sequence
 from .cost import CostModel, get_cost_model
 from .partitioner import partition
 
-__all__ = ["pack", "first_fit_decreasing"]
+__all__ = ["pack", "first_fit_decreasing", "PackingError"]
+
+
+class PackingError(ValueError):
+    """The samples do not fit in the requested number of microbatches."""
 
 
 def pack(
@@ -122,7 +126,7 @@ def _exactly(lens: list[int], costs: list[float], max_tokens: int | None, k: int
         return bins
     bins = _fewest(lens, max_tokens)
     if len(bins) > k:
-        raise ValueError(
+        raise PackingError(
             f"{n} samples with {sum(lens)} tokens need more than k={k} microbatches of max_tokens={max_tokens}"
         )
     while len(bins) < k:  # split the costliest splittable microbatch in two; splitting never breaks the budget

@@ -21,10 +21,9 @@ Karmarkar-Karp, equal sizes
     zero-cost placeholders, hence bin sizes differ by at most one.
 
 Portfolio (free sizes)
-    The local search also runs from the greedy LPT solution and the better end result is kept (ties: KK).  KK
-    alone loses to LPT on ~0.1% of random instances, and with n >> k neither start dominates after the search;
-    the portfolio makes the result never worse than LPT, so it inherits LPT's bound:
-    makespan <= (4/3 - 1/(3k)) * optimal.
+    Greedy LPT is also computed; if it is better than KK + local search (KK alone loses to LPT on ~0.1% of random
+    instances), the local search runs from LPT and that result is used.  So the result is never worse than LPT
+    and inherits its bound: makespan <= (4/3 - 1/(3k)) * optimal.
 
 Local search
     Take the heaviest bin ``H`` and try the other bins, lightest first: move one item from ``H`` (free sizes only,
@@ -70,7 +69,7 @@ def greedy_lpt(costs: Sequence[float], k: int) -> list[list[int]]:
     The classic baseline (makespan at most 4/3 - 1/(3k) of optimal); kept for tests and comparisons.
     """
     c = [float(x) for x in costs]
-    order = sorted(range(len(c)), key=lambda i: (-c[i], i))
+    order = sorted(range(len(c)), key=c.__getitem__, reverse=True)  # stable: ties by index
     heap = [(0.0, b) for b in range(k)]
     parts: list[list[int]] = [[] for _ in range(k)]
     for i in order:
@@ -107,7 +106,7 @@ def partition(
         raise ValueError(f"k must be >= 1, got {k}")
     c = [float(x) for x in costs]
     n = len(c)
-    if any(not (x >= 0.0) or math.isinf(x) for x in c):  # also rejects NaN
+    if c and (not math.isfinite(sum(c)) or min(c) < 0.0):  # the sum is NaN/inf if any item is
         raise ValueError("costs must be finite and non-negative")
     if k == 1:
         return [list(range(n))]
@@ -119,20 +118,23 @@ def partition(
         n_pad = -(-n // k) * k
         # Placeholders n..n_pad-1 cost nothing; at most one lands in each bin.  They are dropped before the
         # local search, whose 1-for-1 swaps then keep the sizes (q or q + 1) as they are.
-        starts = [[[i for i in b if i < n] for b in _kk_equal(c + [0.0] * (n_pad - n), k)]]
-    elif n <= FREE_KK_MAX_ITEMS:
-        starts = [_kk_free(c, k), greedy_lpt(c, k)]
+        bins = [[i for i in b if i < n] for b in _kk_equal(c + [0.0] * (n_pad - n), k)]
+        if local_search:
+            _local_search(bins, c, allow_moves=False, max_evals=evals, max_partners=max_partners)
+        return [sorted(b) for b in bins]
+    if n <= FREE_KK_MAX_ITEMS:
+        bins = _kk_free(c, k)
     else:  # chunked start: n/k vectorised merges instead of n Python ones (moves in the local search free it)
         n_pad = -(-n // k) * k
-        starts = [[[i for i in b if i < n] for b in _kk_equal(c + [0.0] * (n_pad - n), k)], greedy_lpt(c, k)]
-    best, best_max = None, math.inf
-    for bins in starts:  # KK first: it wins ties
+        bins = [[i for i in b if i < n] for b in _kk_equal(c + [0.0] * (n_pad - n), k)]
+    if local_search:
+        _local_search(bins, c, allow_moves=True, max_evals=evals, max_partners=max_partners)
+    # Portfolio: only worth a second search when greedy LPT already starts below the KK result.
+    lpt = greedy_lpt(c, k)
+    if _bin_max(c, lpt) < _bin_max(c, bins):
         if local_search:
-            _local_search(bins, c, allow_moves=not equal_size, max_evals=evals, max_partners=max_partners)
-        m = _bin_max(c, bins)
-        if m < best_max:
-            best, best_max = bins, m
-    bins = best
+            _local_search(lpt, c, allow_moves=True, max_evals=evals, max_partners=max_partners)
+        bins = lpt
     return [sorted(b) for b in bins]
 
 
@@ -142,7 +144,7 @@ def partition(
 
 
 def _kk_free(c: list[float], k: int) -> list[list[int]]:
-    order = sorted(range(len(c)), key=lambda i: (-c[i], i))
+    order = sorted(range(len(c)), key=c.__getitem__, reverse=True)  # stable: ties by index
     members: list[list[int]] = [[i] for i in order]
     # Heap entries: (-spread, seq, bins heap, max bin).  Singletons are already in heap order (spread = cost).
     tuples = [(-c[i], seq, [(c[i], seq)], c[i]) for seq, i in enumerate(order)]
@@ -163,7 +165,7 @@ def _kk_equal(c: list[float], k: int) -> list[list[int]]:
 
     All tuples are full, so a merge pairs the whole sorted bin arrays: done with numpy (O(k log k) per merge).
     """
-    order = sorted(range(len(c)), key=lambda i: (-c[i], i))
+    order = sorted(range(len(c)), key=c.__getitem__, reverse=True)  # stable: ties by index
     members: list[list[int]] = [[i] for i in order]
     tuples = []  # (-spread, seq, bin sums ascending, bin ids in the same order)
     cost_sorted = np.asarray([c[i] for i in order], dtype=np.float64)
@@ -241,7 +243,7 @@ def _local_search(
     items: list[list[int]] = []
     icost: list[list[float]] = []
     for b in bins:
-        srt = sorted(b, key=lambda i: (c[i], i))
+        srt = sorted(b, key=c.__getitem__)
         items.append(srt)
         icost.append([c[i] for i in srt])
     sums = [math.fsum(cs) for cs in icost]

@@ -10,9 +10,9 @@ rank, a list of microbatches (lists of sample indices).  Three planners:
     samples are invented).  ``max_tokens`` only matters for the oversize policy.
 ``lb-micro`` (balanced, collective-compatible)
     Equal-cardinality partition of the costs over ranks, then every rank splits its share into the *same* number
-    ``m`` of microbatches: ``m`` is the largest per-rank minimum that fits the budget (each rank computes every
-    rank's minimum, so no all-reduce is needed), and the split balances cost so slot ``j`` costs about the same on
-    every rank.  Ranks hold one more sample or one empty microbatch only when ``n % W != 0``.
+    ``m`` of microbatches: the smallest count, starting from the largest per-rank bound ``ceil(tokens / budget)``,
+    at which every rank's share fits (each rank evaluates every rank, so no all-reduce is needed); the split
+    balances cost so slot ``j`` costs about the same on every rank.  Ranks hold one more sample or one empty microbatch only when ``n % W != 0``.
 ``lb-mini`` (balanced per minibatch, ODC only)
     Free-cardinality partition of the costs over ranks (no rank is empty unless ``n < W``), then each rank packs
     its share into as few microbatches as fit the budget.  Counts differ per rank, which only a runtime without
@@ -31,7 +31,7 @@ from typing import Sequence
 import numpy as np
 
 from .cost import CostModel, get_cost_model
-from .packing import _pack_local
+from .packing import PackingError, _pack_local
 from .partitioner import partition
 
 __all__ = ["Plan", "plan_minibatch", "PLANNERS", "OVERSIZE_POLICIES"]
@@ -200,14 +200,18 @@ def _lb_micro(act: list[int], lens: list[int], costs: list[float], W: int, T: in
     if T is None:
         m = max(len(p) for p in parts)
     else:
-        m = max(len(_pack_local(pl, pc, T, None)) for _, pl, pc in shares)
+        # Smallest common count: start at the largest per-rank lower bound ceil(tokens / T) and raise it until
+        # every rank's share fits (rarely needed more than once).
+        m = max(math.ceil(sum(pl) / T) for _, pl, _ in shares)
     if m == 0:  # empty minibatch
         return [[] for _ in range(W)]
-    out = []
-    for p, pl, pc in shares:
-        local = _pack_local(pl, pc, T, m)
-        out.append([[act[p[j]] for j in mb] for mb in local])
-    return out
+    while True:
+        try:
+            locals_ = [_pack_local(pl, pc, T, m) for _, pl, pc in shares]
+            break
+        except PackingError:
+            m += 1
+    return [[[act[p[j]] for j in mb] for mb in local] for (p, _, _), local in zip(shares, locals_)]
 
 
 def _max_sum(parts: list[list[int]], costs: list[float]) -> float:
