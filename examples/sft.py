@@ -20,6 +20,7 @@ import torch
 
 import ds_odc  # noqa: F401  (before the model is built: installs the odc config key)
 from ds_odc.balancer.sampler import BalancedBatchSampler
+from ds_odc.balancer import QuadraticCost
 from ds_odc.balancer.collate import PackedCollator
 from ds_odc.balancer.presets import PRESETS, get_preset
 from ds_odc.loss import global_mean_weight, token_loss_sum
@@ -52,6 +53,8 @@ def parse_args(argv=None):
     p.add_argument("--length-scale", type=float, default=1.0, help="multiply preset lengths (tiny CPU runs)")
     p.add_argument("--equal-lengths", type=int, default=None, help="every sample this long (no-regression runs)")
     p.add_argument("--balancer", default="lb-mini", choices=["local-sort", "lb-micro", "lb-mini"])
+    p.add_argument("--cost", default="tokens", choices=["tokens", "quadratic"],
+                   help="balancer cost model; quadratic: a*L + b*L^2 from the model's shape")
     p.add_argument("--minibatch-size", type=int, default=4, help="samples per rank per optimizer step")
     p.add_argument("--max-tokens", type=int, default=None, help="token budget per microbatch (default: 1 sample)")
     p.add_argument("--steps", type=int, default=5)
@@ -61,6 +64,8 @@ def parse_args(argv=None):
     p.add_argument("--deepspeed", required=True, help="ds_config JSON")
     p.add_argument("--attn-implementation", default=None, help="default: sdpa on GPU, eager on CPU")
     p.add_argument("--gradient-checkpointing", action="store_true")
+    p.add_argument("--zero-init", action="store_true",
+                   help="build the model partitioned with deepspeed.zero.Init (GPU; fails on CPU with torch 2.13)")
     p.add_argument("--metrics-json")
     p.add_argument("--timeline", help="draw per-rank busy/wait bars of the last steps to this PNG")
     p.add_argument("--local_rank", type=int, default=None)  # the deepspeed launcher passes it
@@ -106,20 +111,19 @@ def build_model(args, ds_config: dict, device: torch.device):
         config = Qwen2Config(**MODEL_PRESETS[args.model], max_position_embeddings=131072)
     config.use_cache = False  # packed rows: transformers only detects sample boundaries without a cache
     torch.manual_seed(args.seed)
-    if device.type == "cuda":  # build partitioned from the start: a 7B model does not fit a GPU per rank twice
+    if args.zero_init:  # partitioned from the start, for models that do not fit one device
         import deepspeed
         from transformers.integrations import HfDeepSpeedConfig
         build_model.keep_alive = HfDeepSpeedConfig(ds_config)  # HF reads it during from_config
         with deepspeed.zero.Init(config_dict_or_path=ds_config, dtype=dtype):
-            if args.model_path:
-                model = AutoModelForCausalLM.from_pretrained(args.model_path, torch_dtype=dtype,
-                                                             attn_implementation=attn)
-            else:
-                model = AutoModelForCausalLM.from_config(config, torch_dtype=dtype, attn_implementation=attn)
-    elif args.model_path:
-        model = AutoModelForCausalLM.from_pretrained(args.model_path, torch_dtype=dtype, attn_implementation=attn)
-    else:
-        model = AutoModelForCausalLM.from_config(config, torch_dtype=dtype, attn_implementation=attn)
+            model = (AutoModelForCausalLM.from_pretrained(args.model_path, dtype=dtype, attn_implementation=attn)
+                     if args.model_path else
+                     AutoModelForCausalLM.from_config(config, dtype=dtype, attn_implementation=attn))
+    else:  # built whole on the device (fast random init), partitioned by deepspeed.initialize
+        with torch.device(device):
+            model = (AutoModelForCausalLM.from_pretrained(args.model_path, dtype=dtype, attn_implementation=attn)
+                     if args.model_path else
+                     AutoModelForCausalLM.from_config(config, dtype=dtype, attn_implementation=attn))
     if args.gradient_checkpointing:
         model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
     return model
@@ -153,10 +157,14 @@ def main(argv=None):
     vocab = model.config.vocab_size
     params = [p for p in model.parameters() if p.requires_grad]
     engine, *_ = deepspeed.initialize(model=model, model_parameters=params, config=ds_config)
+    if device.type == "cuda":
+        torch.cuda.empty_cache()
+        torch.cuda.reset_peak_memory_stats()  # peak memory of training, not of building the unpartitioned model
 
+    cost = QuadraticCost.from_hf_config(model.config) if args.cost == "quadratic" else "tokens"
     sampler = BalancedBatchSampler(lengths.tolist(), world_size=world, rank=rank, minibatch_size=args.minibatch_size,
                                    max_tokens=args.max_tokens, planner=args.balancer, seed=args.seed,
-                                   shuffle=not args.no_shuffle)
+                                   shuffle=not args.no_shuffle, cost=cost)
     collate = PackedCollator()
     steps = min(args.steps, len(sampler))
     records = []

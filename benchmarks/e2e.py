@@ -1,0 +1,113 @@
+"""End-to-end SFT benchmark: stock ZeRO-3, ZeRO-3 + ODC and FSDP2 on the same samples, back to back, one table.
+
+    python benchmarks/e2e.py --model qwen2.5-1.5b --workload longtail --nproc 2 --out results/
+
+Workloads (the lengths of shared/design/baselines.md: 8 samples per minibatch, 4 per rank, 1 warm-up + 4 timed):
+  longtail         clamp(exp(ln 8000 + 0.8 N(0,1)), 1024, 32768) from torch.Generator().manual_seed(0), one
+                   sample per microbatch
+  longtail-packed  the same lengths; lb-micro and lb-mini pack samples into microbatches of up to 64k tokens
+  equal            every sample 8192 tokens (the no-regression check)
+Modes: stock+local-sort, stock+lb-micro, odc+lb-micro, odc+lb-mini (ZeRO-3 via examples/sft.py) and fsdp2
+(benchmarks/fsdp2_sft.py, local-sort). Each runs in its own torchrun launch; the table compares samples/s measured
+in this one call (ratios, not absolute times, are what carry over between machines).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import torch
+
+ROOT = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(ROOT))
+from ds_odc.balancer.presets import longtail_from_normals  # noqa: E402
+
+MODES = {
+    "stock+local-sort": ("sft", "zero3_bf16.json", "local-sort"),
+    "stock+lb-micro": ("sft", "zero3_bf16.json", "lb-micro"),
+    "odc+lb-micro": ("sft", "zero3_odc_bf16.json", "lb-micro"),
+    "odc+lb-mini": ("sft", "zero3_odc_bf16.json", "lb-mini"),
+    "fsdp2": ("fsdp2", None, "local-sort"),
+}
+
+
+def write_lengths(workload: str, minibatches: int, path: Path) -> None:
+    if workload == "equal":
+        lengths = [8192] * (8 * minibatches)
+    else:
+        g = torch.Generator().manual_seed(0)
+        lengths = [int(x) for _ in range(minibatches) for x in longtail_from_normals(torch.randn(8, generator=g).numpy())]
+    path.write_text("\n".join(map(str, lengths)) + "\n")
+
+
+def run(mode: str, args, lengths: Path, out: Path) -> dict:
+    script, config, balancer = MODES[mode]
+    metrics = out / f"{args.model}-{args.workload}-{mode}.json"
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={args.nproc}",
+           str(ROOT / ("examples/sft.py" if script == "sft" else "benchmarks/fsdp2_sft.py")),
+           "--model", args.model, "--lengths-file", str(lengths), "--no-shuffle", "--balancer", balancer,
+           "--minibatch-size", "4", "--steps", str(args.steps), "--warmup-steps", "1", "--gradient-checkpointing",
+           "--metrics-json", str(metrics), "--cost", "quadratic"]
+    if config:
+        cmd += ["--deepspeed", str(ROOT / "ds_configs" / config)]
+    if args.workload == "longtail-packed" and balancer != "local-sort":
+        cmd += ["--max-tokens", "65536"]
+    log = out / f"{args.model}-{args.workload}-{mode}.log"
+    started = time.monotonic()
+    with open(log, "w") as f:
+        proc = subprocess.run(cmd, stdout=f, stderr=subprocess.STDOUT, timeout=args.run_timeout,
+                              env=dict(os.environ, PYTHONPATH=str(ROOT)))
+    if proc.returncode != 0 or not metrics.exists():
+        tail = log.read_text()[-2500:]
+        print(f"  {mode} FAILED (rc={proc.returncode}); log tail:\n{tail}", flush=True)
+        return {"mode": mode, "failed": True}
+    result = json.loads(metrics.read_text())["summary"]
+    result.update(mode=mode, wall_s=time.monotonic() - started)
+    print(f"  {mode}: {result['samples_per_s']:.3f} samples/s, bubble {result['bubble_rate']:.1%} "
+          f"({result['wall_s']:.0f}s wall)", flush=True)
+    return result
+
+
+def main():
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--model", default="qwen2.5-1.5b")
+    p.add_argument("--workload", default="longtail", choices=["longtail", "longtail-packed", "equal"])
+    p.add_argument("--modes", default=",".join(MODES))
+    p.add_argument("--nproc", type=int, default=2)
+    p.add_argument("--steps", type=int, default=5)
+    p.add_argument("--out", default="e2e_results")
+    p.add_argument("--run-timeout", type=float, default=300)
+    p.add_argument("--budget-s", type=float, default=1e9, help="skip the remaining modes after this many seconds")
+    args = p.parse_args()
+    out = Path(args.out)
+    out.mkdir(parents=True, exist_ok=True)
+    lengths = out / f"lengths-{args.workload}.txt"
+    write_lengths(args.workload, args.steps, lengths)
+    print(f"# {args.model} / {args.workload} on {args.nproc} ranks: {' '.join(sys.argv)}", flush=True)
+    started, results = time.monotonic(), {}
+    for mode in args.modes.split(","):
+        if time.monotonic() - started > args.budget_s:
+            print(f"  {mode}: skipped (time budget)", flush=True)
+            continue
+        results[mode] = run(mode, args, lengths, out)
+    ok = {m: r for m, r in results.items() if not r.get("failed")}
+    base, fsdp = ok.get("stock+lb-micro"), ok.get("fsdp2")
+    print(f"\n{args.model} / {args.workload} ({args.nproc} ranks; timed minibatches 2-{args.steps})")
+    print(f"{'mode':<18}{'samples/s/dev':>14}{'tokens/s':>11}{'bubble':>8}{'peak GiB':>9}{'vs stock+lb-micro':>18}"
+          f"{'vs FSDP2':>9}")
+    for mode, r in ok.items():
+        vs_base = f"{r['samples_per_s'] / base['samples_per_s']:.2f}x" if base else "-"
+        vs_fsdp = f"{r['samples_per_s'] / fsdp['samples_per_s']:.2f}x" if fsdp else "-"
+        print(f"{mode:<18}{r['samples_per_s_per_device']:>14.3f}{r['tokens_per_s']:>11.0f}{r['bubble_rate']:>8.1%}"
+              f"{r['peak_mem_bytes'] / 2**30:>9.1f}{vs_base:>18}{vs_fsdp:>9}")
+    (out / f"{args.model}-{args.workload}.json").write_text(json.dumps(results, indent=1))
+
+
+if __name__ == "__main__":
+    main()

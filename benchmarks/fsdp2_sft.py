@@ -1,0 +1,110 @@
+"""Plain PyTorch FSDP2 on the same samples as examples/sft.py: the peer users would otherwise switch to.
+
+``fully_shard`` per decoder layer and the root, bf16 parameters with fp32 gradient reduction, a reduce-scatter per
+microbatch, fused AdamW; the same sampler (collective planners only), loss weighting and metrics as sft.py, so
+their ``--metrics-json`` files compare directly.
+
+    torchrun --standalone --nproc_per_node 2 benchmarks/fsdp2_sft.py --model qwen2.5-1.5b \\
+        --lengths-file lengths.txt --no-shuffle --balancer local-sort --steps 5 --warmup-steps 1
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import sys
+from pathlib import Path
+
+import torch
+import torch.distributed as dist
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "examples"))
+from sft import MODEL_PRESETS, load_lengths, parse_args, sample_tokens  # noqa: E402
+
+from ds_odc.balancer import QuadraticCost  # noqa: E402
+from ds_odc.balancer.collate import PackedCollator  # noqa: E402
+from ds_odc.balancer.sampler import BalancedBatchSampler  # noqa: E402
+from ds_odc.loss import global_mean_weight, token_loss_sum  # noqa: E402
+from ds_odc.metrics import StepClock, gather_step  # noqa: E402
+
+
+def main():
+    args = parse_args([a for a in sys.argv[1:]] + (["--deepspeed", "none"] if "--deepspeed" not in sys.argv else []))
+    if args.balancer == "lb-mini":
+        sys.exit("FSDP2 runs collectives every microbatch: use --balancer local-sort or lb-micro")
+    from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
+    from transformers import AutoModelForCausalLM, Qwen2Config
+
+    cuda = torch.cuda.is_available()
+    dist.init_process_group("nccl" if cuda else "gloo")
+    rank, world = dist.get_rank(), dist.get_world_size()
+    device = torch.device("cuda", int(os.environ.get("LOCAL_RANK", 0))) if cuda else torch.device("cpu")
+    if cuda:
+        torch.cuda.set_device(device)
+    config = Qwen2Config(**MODEL_PRESETS[args.model], max_position_embeddings=131072)
+    config.use_cache = False
+    torch.manual_seed(args.seed)
+    with torch.device(device):  # fp32 master weights (as ZeRO keeps), built on the device: fast random init
+        model = AutoModelForCausalLM.from_config(config, dtype=torch.float32,
+                                                 attn_implementation=args.attn_implementation or
+                                                 ("sdpa" if cuda else "eager"))
+    if args.gradient_checkpointing:
+        model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+    policy = MixedPrecisionPolicy(param_dtype=torch.bfloat16 if cuda else torch.float32, reduce_dtype=torch.float32)
+    for layer in model.model.layers:
+        fully_shard(layer, mp_policy=policy)
+    fully_shard(model, mp_policy=policy)
+    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-5, betas=(0.9, 0.95), fused=cuda)
+    if cuda:
+        torch.cuda.empty_cache()
+        torch.cuda.reset_peak_memory_stats()  # as sft.py: the peak of training, not of building
+
+    lengths, token_ids = load_lengths(args)
+    cost = QuadraticCost.from_hf_config(config) if args.cost == "quadratic" else "tokens"
+    sampler = BalancedBatchSampler(lengths.tolist(), world_size=world, rank=rank, minibatch_size=args.minibatch_size,
+                                   max_tokens=args.max_tokens, planner=args.balancer, seed=args.seed,
+                                   shuffle=not args.no_shuffle, cost=cost)
+    collate = PackedCollator()
+    clock, records = StepClock(), []
+    for step, batch in zip(range(min(args.steps, len(sampler))), sampler):
+        weight = global_mean_weight(batch.num_label_tokens, world)
+        clock.start()
+        loss_share, tokens = 0.0, 0
+        for mb in batch.microbatches:
+            samples = [{"input_ids": token_ids[j] if token_ids else sample_tokens(j, int(lengths[j]),
+                                                                                     config.vocab_size, args.seed)}
+                       for j in mb]
+            row = {k: t.to(device) for k, t in collate(samples).items()}
+            tokens += row["input_ids"].numel()
+            logits = model(input_ids=row["input_ids"], position_ids=row["position_ids"]).logits
+            loss = token_loss_sum(logits, row["labels"]) * weight
+            del logits
+            loss.backward()  # FSDP2 averages gradients over ranks, as ZeRO does: the W in `weight` cancels it
+            loss_share += loss.item() / world
+        torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
+        optimizer.step()
+        optimizer.zero_grad(set_to_none=True)
+        clock.compute_done()
+        busy, step_time = clock.finish(0.0)
+        records.append(gather_step(loss_share, busy, step_time, len(batch.microbatches), tokens, batch.num_samples))
+    if rank == 0:
+        timed = records[args.warmup_steps:] or records
+        total = sum(r.step_time_s for r in timed)
+        summary = {"samples_per_s": sum(r.samples_per_s * r.step_time_s for r in timed) / total,
+                   "samples_per_s_per_device": sum(r.samples_per_s * r.step_time_s for r in timed) / total / world,
+                   "tokens_per_s": sum(r.tokens_per_s * r.step_time_s for r in timed) / total,
+                   "bubble_rate": 1.0 - sum(sum(p.busy_s for p in r.per_rank) for r in timed) / (world * total),
+                   "time_s": total, "peak_mem_bytes": max(r.peak_mem_bytes for r in records),
+                   "final_loss": records[-1].loss}
+        if args.metrics_json:
+            Path(args.metrics_json).write_text(json.dumps({"config": {**vars(args), "engine": "fsdp2"},
+                                                           "steps": [r.as_dict() for r in records],
+                                                           "summary": summary}, indent=1))
+        print(f"summary: loss {summary['final_loss']:.5f}  samples/s {summary['samples_per_s']:.3f}  "
+              f"time {total:.2f}s", flush=True)
+    dist.barrier()
+    dist.destroy_process_group()
+
+
+if __name__ == "__main__":
+    main()
