@@ -23,11 +23,14 @@ def tiny_llama(seed: int = 0, frozen_embeddings: bool = False, dtype=torch.float
     return model
 
 
+DEVICE = torch.device("cpu")  # worker.py sets cuda:N when the scenarios run on GPUs (tests/gpu)
+
+
 def minibatch(step: int, num_samples: int, min_len: int = 4, max_len: int = 24) -> list[torch.Tensor]:
-    """The global minibatch of ``step``: the same on every rank, variable lengths."""
+    """The global minibatch of ``step``: the same on every rank, variable lengths, on ``DEVICE``."""
     g = torch.Generator().manual_seed(1000 + step)
     lengths = torch.randint(min_len, max_len + 1, (num_samples,), generator=g).tolist()
-    return [torch.randint(0, VOCAB, (1, n), generator=g) for n in lengths]
+    return [torch.randint(0, VOCAB, (1, n), generator=g).to(DEVICE) for n in lengths]
 
 
 def ds_config(odc, *, gas: int = 1, clip: float = 0.0, managed: bool = True, lr: float = 1e-2, bf16: bool = False,
@@ -75,7 +78,7 @@ def client_optimizer(params):
 def reference_run(model, steps: int, num_samples: int, clip: float = 0.0, per_sample_mean: bool = False):
     """Plain PyTorch, one process, SGD: the gradient of the global token-mean loss of every minibatch (or, with
     ``per_sample_mean``, of the mean over samples of each sample's token mean: stock DeepSpeed's GAS semantics)."""
-    model = copy.deepcopy(model)
+    model = copy.deepcopy(model).to(DEVICE)
     params = [p for p in model.parameters() if p.requires_grad]
     opt = client_optimizer(params)
     losses = []

@@ -19,6 +19,7 @@ from ds_odc.loss import global_mean_weight, token_loss_sum
 from ds_odc.testing import emit, finish, init_cpu_distributed
 
 sys.path.insert(0, os.path.dirname(__file__))
+import _workload  # noqa: E402
 from _workload import client_optimizer, ds_config, full_params, max_rel_diff, minibatch, reference_run, tiny_llama  # noqa: E402
 
 
@@ -251,7 +252,15 @@ def main():
     args = parser.parse_args()
     if args.scenario == "collectives":
         count_collectives()
-    init_cpu_distributed(timeout_s=60 if args.scenario != "fence_timeout" else args.timeout * 2)
+    if os.environ.get("ODC_TEST_CUDA") == "1":  # the same scenarios on GPUs (tests/gpu/test_zero_gpu.py)
+        import datetime
+        import deepspeed
+        local_rank = int(os.environ.get("LOCAL_RANK", 0))
+        torch.cuda.set_device(local_rank)
+        _workload.DEVICE = torch.device("cuda", local_rank)
+        deepspeed.init_distributed(dist_backend="nccl", timeout=datetime.timedelta(seconds=120))
+    else:
+        init_cpu_distributed(timeout_s=60 if args.scenario != "fence_timeout" else args.timeout * 2)
     globals()[f"scenario_{args.scenario}"](args)
     finish()
 
