@@ -111,9 +111,6 @@ def main():
             t.close()
         dist.destroy_process_group()
         return
-    side = torch.cuda.Stream()  # like DeepSpeed's prefetch / reduce streams (batched copies need a non-default one)
-    side.wait_stream(torch.cuda.current_stream())
-    torch.cuda.set_stream(side)
 
     gen = torch.Generator(device=dev).manual_seed(rank)
     for p in params.values():

@@ -194,24 +194,13 @@ void* odc_peer_ptr(void* sym, int pe) { return nvshmem_ptr(sym, pe); }  // NULL 
 
 // -- gather: copy-engine reads --------------------------------------------------------------------------------------
 
-// Peer-pointer path: plain device-to-device copies from the peers' mapped memory (copy engines over NVLink). One
-// cudaMemcpyBatchAsync call covers a whole bucket (a per-copy cudaMemcpyAsync costs microseconds of host time each);
-// the legacy default stream does not take batches, so there (and if the driver refuses) copies go one by one.
+// Peer-pointer path: plain device-to-device copies from the peers' mapped memory (copy engines over NVLink).
+// (cudaMemcpyBatchAsync was measured slower at every size on 2x H200 and saved no host time: see docs/BENCHMARKS.md.)
 int odc_copy_batch(int n, const int64_t* dst, const int64_t* src, const int64_t* nbytes, void* stream) {
-  cudaStream_t s = static_cast<cudaStream_t>(stream);
-  if (n > 1 && s != nullptr && s != cudaStreamLegacy) {
-    cudaMemcpyAttributes attr = {};
-    attr.srcAccessOrder = cudaMemcpySrcAccessOrderStream;
-    size_t attr_index = 0;
-    cudaError_t err = cudaMemcpyBatchAsync(reinterpret_cast<void* const*>(dst), reinterpret_cast<const void* const*>(src),
-                                           reinterpret_cast<const size_t*>(nbytes), size_t(n), &attr, &attr_index, 1, s);
-    if (err == cudaSuccess) return 0;
-    cudaGetLastError();  // not fatal: fall back to single copies
-  }
   for (int i = 0; i < n; ++i) {
     if (nbytes[i] == 0) continue;
     cudaError_t err = cudaMemcpyAsync(reinterpret_cast<void*>(dst[i]), reinterpret_cast<const void*>(src[i]),
-                                      size_t(nbytes[i]), cudaMemcpyDeviceToDevice, s);
+                                      size_t(nbytes[i]), cudaMemcpyDeviceToDevice, static_cast<cudaStream_t>(stream));
     if (err != cudaSuccess) return set_error(err, "odc_copy_batch: cudaMemcpyAsync");
   }
   return 0;

@@ -26,7 +26,8 @@ from ds_odc.ops.transport import OdcError
 MiB = 1 << 20
 STATUS_IS_INITIALIZED = 2  # nvshmemx_init_status_t
 STATUS_INVALID = 2**31 - 1
-HEAP_SLACK = 64 * MiB  # NVSHMEM's own internal allocations (team state, signal pads) live in the heap too
+HEAP_SLACK = 64 * MiB
+HEAP_GRANULARITY = 64 * MiB  # NVSHMEM's own internal allocations (team state, signal pads) live in the heap too
 
 _HINT = ("Run with NVSHMEM_DEBUG=INFO to see which transport NVSHMEM tried. On one host NVLink peers need no NIC: "
          "leave NVSHMEM_DISABLE_P2P unset and set NVSHMEM_REMOTE_TRANSPORT=none if no InfiniBand HCA is present; "
@@ -61,6 +62,9 @@ def bootstrap_method() -> str:
 def _set_heap_defaults(heap_bytes: int) -> None:
     """Size the heap from the allocation that triggers bring-up, not from a fixed guess; users' settings win."""
     os.environ.setdefault("NVSHMEM_SYMMETRIC_SIZE", str(_round_up(heap_bytes + HEAP_SLACK, 2 * MiB)))
+    # The heap grows in steps of this size; NVSHMEM's 512 MiB default strands up to that much. 64 MiB measured
+    # 320 MiB less GPU memory for the same buffers on 2x H200 (docs/BENCHMARKS.md).
+    os.environ.setdefault("NVSHMEM_CUMEM_GRANULARITY", str(HEAP_GRANULARITY))
     # ds_odc never uses NVLink SHARP (multicast); keep NVSHMEM from setting it up.
     os.environ.setdefault("NVSHMEM_DISABLE_NVLS", "1")
 

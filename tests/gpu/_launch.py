@@ -32,6 +32,13 @@ def needs_gpus(n: int):
     return pytest.mark.skipif(gpu_count() < n, reason=f"needs {n} CUDA GPUs (found {gpu_count()})")
 
 
+def _free_port() -> int:
+    import socket
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
 @dataclass
 class RankRun:
     returncode: int | None  # None when killed at the timeout
@@ -44,11 +51,18 @@ class RankRun:
 
 
 def run_ranks(script: Path, args: list[str], nproc: int = 2, timeout_s: float = 240.0,
-              env: dict[str, str] | None = None) -> RankRun:
+              env: dict[str, str] | None = None, launcher: str = "torchrun") -> RankRun:
+    """``launcher``: "torchrun", or "mpirun" (ranks get RANK/WORLD_SIZE from MPI's own variables)."""
     out = tempfile.mkdtemp(prefix="ds_odc_gpu_")
-    # --standalone lets the rendezvous pick its own free port (choosing one here races with other launches)
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={nproc}", str(script),
-           *args, "--out", out]
+    if launcher == "torchrun":
+        # --standalone lets the rendezvous pick its own free port (choosing one here races with other launches)
+        cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={nproc}"]
+    else:
+        cmd = ["mpirun", "-n", str(nproc)]
+        env = {"MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(_free_port()), "OMPI_ALLOW_RUN_AS_ROOT": "1",
+               "OMPI_ALLOW_RUN_AS_ROOT_CONFIRM": "1", **(env or {})}
+    cmd += [str(script), *args, "--out", out] if launcher == "torchrun" else [sys.executable, str(script), *args,
+                                                                              "--out", out]
     child_env = dict(os.environ)
     child_env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(REPO), child_env.get("PYTHONPATH")]))
     child_env.setdefault("PYTHONUNBUFFERED", "1")

@@ -130,7 +130,7 @@ def check_exact_rounds(t, acc, rank, world, rounds_by_rank, in_dtype=torch.bfloa
 
 
 def on_side_stream(fn):
-    """Run ``fn`` on a non-default stream, as DeepSpeed's prefetch and reduce streams do (batched copies need one)."""
+    """Run ``fn`` on a non-default stream, as DeepSpeed's prefetch and reduce streams do."""
     def run():
         side = torch.cuda.Stream()
         side.wait_stream(torch.cuda.current_stream())
@@ -148,6 +148,11 @@ def main():
     parser.add_argument("--path", choices=sorted(PATHS), required=True)
     parser.add_argument("--out", required=True)
     args = parser.parse_args()
+    if "LOCAL_RANK" not in os.environ:  # started by mpirun: take torch.distributed's ranks from MPI's variables
+        for ours, theirs in (("RANK", ("OMPI_COMM_WORLD_RANK", "PMI_RANK")),
+                             ("WORLD_SIZE", ("OMPI_COMM_WORLD_SIZE", "PMI_SIZE")),
+                             ("LOCAL_RANK", ("OMPI_COMM_WORLD_LOCAL_RANK", "MPI_LOCALRANKID", "OMPI_COMM_WORLD_RANK"))):
+            os.environ.setdefault(ours, next(os.environ[k] for k in theirs if k in os.environ))
     local_rank = int(os.environ["LOCAL_RANK"])
     torch.cuda.set_device(local_rank)
     dist.init_process_group("nccl", timeout=timedelta(seconds=60), device_id=torch.device("cuda", local_rank))
@@ -175,9 +180,11 @@ def main():
         os._exit(0)  # the job is deliberately broken: skip collective teardown
 
     report.record("path", True, f"remote={t.remote} method={t.scatter_method}")
+    from ds_odc.ops import nvshmem_runtime
+    report.run("gather_bf16_bitwise", lambda: check_gather(t, rank, world, torch.bfloat16))  # brings NVSHMEM up
+    report.record("bootstrap", True, nvshmem_runtime._RUNTIME.bootstrap)
     if t.remote != remote:
         report.record("path", False, f"asked remote={remote}, got remote={t.remote}")
-    report.run("gather_bf16_bitwise", lambda: check_gather(t, rank, world, torch.bfloat16))
     report.run("gather_fp32_bitwise", lambda: check_gather(t, rank, world, torch.float32))
     many = [int(x) for x in torch.randint(1, 300, (300,), generator=torch.Generator().manual_seed(5))]
     report.run("gather_bucket_side_stream", on_side_stream(lambda: check_gather(t, rank, world, torch.bfloat16, many)))

@@ -6,6 +6,7 @@ Each path runs once in 2 ranks (torchrun, hard timeout); the tests below read th
 
 from __future__ import annotations
 
+import shutil
 from pathlib import Path
 
 import pytest
@@ -46,3 +47,14 @@ def test_fence_timeout_names_missing_rank(nvshmem_op, path):
     assert verdict is not None, f"rank 0 never reported\n{run.describe()}"
     assert verdict["ok"], verdict["detail"]
     assert "1" in verdict["detail"]
+
+
+@pytest.mark.skipif(shutil.which("mpirun") is None, reason="needs mpirun")
+def test_bringup_over_mpi(nvshmem_op):
+    """Under mpirun, NVSHMEM comes up over mpi4py (no torchrun), and the transport still matches NCCL."""
+    run = run_ranks(WORKER, ["--scenario", "main", "--path", "p2p"], nproc=2, timeout_s=90, launcher="mpirun")
+    for rank in (0, 1):
+        results = run.results.get(rank, {})
+        assert results.get("bootstrap", {}).get("detail") == "mpi-uid", f"rank {rank}: {results}\n{run.describe()}"
+        for check in CHECKS:
+            assert results.get(check, {}).get("ok"), f"rank {rank}: {check}: {results.get(check)}\n{run.describe()}"
