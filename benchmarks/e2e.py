@@ -37,12 +37,13 @@ MODES = {
 }
 
 
-def write_lengths(workload: str, minibatches: int, path: Path) -> None:
+def write_lengths(workload: str, minibatches: int, path: Path, scale: float = 1.0) -> None:
     if workload == "equal":
         lengths = [8192] * (8 * minibatches)
     else:
         g = torch.Generator().manual_seed(0)
         lengths = [int(x) for _ in range(minibatches) for x in longtail_from_normals(torch.randn(8, generator=g).numpy())]
+    lengths = [max(2, round(n * scale)) for n in lengths]
     path.write_text("\n".join(map(str, lengths)) + "\n")
 
 
@@ -57,7 +58,7 @@ def run(mode: str, args, lengths: Path, out: Path) -> dict:
     if config:
         cmd += ["--deepspeed", str(ROOT / "ds_configs" / config)]
     if args.workload == "longtail-packed" and balancer != "local-sort":
-        cmd += ["--max-tokens", "65536"]
+        cmd += ["--max-tokens", str(max(2, round(65536 * args.scale)))]
     log = out / f"{args.model}-{args.workload}-{mode}.log"
     started = time.monotonic()
     with open(log, "w") as f:
@@ -84,11 +85,12 @@ def main():
     p.add_argument("--out", default="e2e_results")
     p.add_argument("--run-timeout", type=float, default=300)
     p.add_argument("--budget-s", type=float, default=1e9, help="skip the remaining modes after this many seconds")
+    p.add_argument("--scale", type=float, default=1.0, help="scale all lengths (CPU smoke runs with --model tiny)")
     args = p.parse_args()
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
     lengths = out / f"lengths-{args.workload}.txt"
-    write_lengths(args.workload, args.steps, lengths)
+    write_lengths(args.workload, args.steps, lengths, args.scale)
     print(f"# {args.model} / {args.workload} on {args.nproc} ranks: {' '.join(sys.argv)}", flush=True)
     started, results = time.monotonic(), {}
     for mode in args.modes.split(","):
