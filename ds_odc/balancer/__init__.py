@@ -1,12 +1,16 @@
 """Minibatch load balancing for ODC (LB-Mini), its collective-compatible baselines, and a simulator.
 
-No ``torch.distributed`` here: every rank computes the same plan from the same inputs.  See docs/BALANCER.md.
+No ``torch.distributed`` here: world size and rank are plain ints and every rank computes the same plan from the
+same inputs.  Only the packed collator needs torch; it is imported lazily.  See docs/BALANCER.md.
 """
 
+from typing import Any
+
 from .cost import CostModel, FittedCost, QuadraticCost, TokenCost, get_cost_model
-from .packing import first_fit_decreasing, pack
+from .packing import PackingError, first_fit_decreasing, pack
 from .partitioner import greedy_lpt, makespan, partition
 from .planners import OVERSIZE_POLICIES, PLANNERS, Plan, plan_minibatch
+from .sampler import BalancedBatchSampler, RankBatch, lengths_from_dataset, lengths_from_file
 
 __all__ = [
     "CostModel",
@@ -19,8 +23,26 @@ __all__ = [
     "makespan",
     "pack",
     "first_fit_decreasing",
+    "PackingError",
     "Plan",
     "plan_minibatch",
     "PLANNERS",
     "OVERSIZE_POLICIES",
+    "BalancedBatchSampler",
+    "RankBatch",
+    "lengths_from_dataset",
+    "lengths_from_file",
+    "PackedCollator",
+    "count_label_tokens",
 ]
+
+_LAZY = {"PackedCollator", "count_label_tokens"}
+
+
+def __getattr__(name: str) -> Any:
+    """Import the torch-based collator only when it is used."""
+    if name in _LAZY:
+        from . import collate
+
+        return getattr(collate, name)
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
