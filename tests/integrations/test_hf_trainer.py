@@ -70,3 +70,10 @@ def test_example_runs_on_cpu(tmp_path):
     out = launch(EXAMPLE, 2, ["--max-steps", "3", "--output-dir", str(tmp_path)], timeout=180).check()
     assert "done: 3 steps" in out.stdout, out.stdout[-2000:]
     assert "odc/bubble" in out.stdout  # the balance metrics reach the console logs
+
+
+def test_trl_example_runs_on_cpu(tmp_path):
+    pytest.importorskip("trl")
+    example = os.path.join(os.path.dirname(EXAMPLE), "trl_sft.py")
+    out = launch(example, 2, ["--max-steps", "2", "--output-dir", str(tmp_path)], timeout=180).check()
+    assert "done: 2 steps" in out.stdout and "odc/bubble" in out.stdout, out.stdout[-2000:]

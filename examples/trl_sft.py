@@ -1,0 +1,125 @@
+"""TRL's SFTTrainer with ds_odc (ODC + LB-Mini): ``OdcSFTTrainer = OdcTrainer + SFTTrainer``.
+
+CPU (tiny random model, a character tokenizer built in code, synthetic prompt/completion text; nothing downloaded):
+    torchrun --standalone --nproc_per_node 2 examples/trl_sft.py
+    torchrun --standalone --nproc_per_node 2 examples/trl_sft.py --no-odc    # stock SFTTrainer + ZeRO-3
+
+One TRL-specific shim: SFTTrainer.compute_loss all-gathers its token-accuracy / entropy / token-count metrics on
+every microbatch. Those collectives would deadlock as soon as ranks run different numbers of microbatches, so during
+ODC training they are computed rank-locally (the logged entropy / mean_token_accuracy / num_tokens are rank 0's own).
+The loss and gradients are untouched: SFTTrainer normalises by ``num_items_in_batch``, which OdcTrainer makes the
+global completion-token count. Needs ``pip install trl`` (tested with trl 1.16).
+"""
+
+from __future__ import annotations
+
+import argparse
+import random
+
+import torch
+
+import ds_odc  # noqa: F401  (teaches DeepSpeed the `odc` key before SFTConfig and the model)
+
+
+def parse_args():
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--odc", action=argparse.BooleanOptionalAction, default=True)
+    p.add_argument("--max-steps", type=int, default=6)
+    p.add_argument("--per-device-batch", type=int, default=4)
+    p.add_argument("--grad-accum", type=int, default=2)
+    p.add_argument("--max-tokens", type=int, default=512, help="token budget per microbatch")
+    p.add_argument("--num-samples", type=int, default=256)
+    p.add_argument("--output-dir", default="runs/trl_sft")
+    p.add_argument("--local_rank", type=int, default=None)
+    return p.parse_args()
+
+
+def char_tokenizer():
+    """A character-level tokenizer made in code (no hub access)."""
+    from tokenizers import Tokenizer, models, pre_tokenizers
+    from transformers import PreTrainedTokenizerFast
+    chars = [chr(c) for c in range(32, 127)]
+    vocab = {tok: i for i, tok in enumerate(["<pad>", "<eos>", "<unk>"] + chars)}
+    tok = Tokenizer(models.WordLevel(vocab, unk_token="<unk>"))
+    tok.pre_tokenizer = pre_tokenizers.Split("", "isolated")
+    return PreTrainedTokenizerFast(tokenizer_object=tok, pad_token="<pad>", eos_token="<eos>", unk_token="<unk>")
+
+
+def synthetic_pairs(n: int, seed: int = 0):
+    """Prompt/completion pairs with long-tailed completion lengths; the loss covers completions only."""
+    from datasets import Dataset
+    rng = random.Random(seed)
+    words = ["alpha", "beta", "gamma", "delta", "odc", "zero", "rank", "step", "token", "pack"]
+    prompts, completions = [], []
+    for _ in range(n):
+        prompts.append("Q: " + " ".join(rng.choices(words, k=rng.randint(2, 6))) + "\nA:")
+        completions.append(" " + " ".join(rng.choices(words, k=min(60, max(1, int(rng.lognormvariate(1.5, 0.9)))))))
+    return Dataset.from_dict({"prompt": prompts, "completion": completions})
+
+
+def make_trainer_class():
+    from trl import SFTTrainer
+
+    from ds_odc.integrations.transformers import OdcTrainer
+
+    class OdcSFTTrainer(OdcTrainer, SFTTrainer):
+        def compute_loss(self, model, inputs, return_outputs=False, num_items_in_batch=None):
+            if not (self.odc and model.training):
+                return super().compute_loss(model, inputs, return_outputs, num_items_in_batch)
+            accelerator = self.accelerator
+            # Rank-local metrics: an instance attribute shadows the method for this call only.
+            accelerator.gather_for_metrics = lambda t, *a, **k: t.reshape(-1) if torch.is_tensor(t) else t
+            try:
+                return super().compute_loss(model, inputs, return_outputs, num_items_in_batch)
+            finally:
+                del accelerator.gather_for_metrics
+
+    return OdcSFTTrainer
+
+
+def main():
+    args = parse_args()
+    from ds_odc.testing import init_cpu_distributed
+    if torch.cuda.is_available():
+        import deepspeed
+        deepspeed.init_distributed()
+    else:
+        init_cpu_distributed(timeout_s=300)
+    from transformers import LlamaConfig, LlamaForCausalLM
+    from trl import SFTConfig, SFTTrainer
+
+    tokenizer = char_tokenizer()
+    torch.manual_seed(0)
+    model = LlamaForCausalLM(LlamaConfig(hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+                                         num_attention_heads=4, num_key_value_heads=4, vocab_size=len(tokenizer),
+                                         max_position_embeddings=512, tie_word_embeddings=False, use_cache=False,
+                                         pad_token_id=tokenizer.pad_token_id, eos_token_id=tokenizer.eos_token_id))
+    zero = {"stage": 3, "overlap_comm": False, "stage3_gather_16bit_weights_on_model_save": True}
+    if args.odc:
+        zero["odc"] = True
+    config = SFTConfig(
+        output_dir=args.output_dir, per_device_train_batch_size=args.per_device_batch,
+        gradient_accumulation_steps=args.grad_accum, max_steps=args.max_steps, learning_rate=3e-4,
+        logging_steps=1, save_strategy="no", report_to=[], use_cpu=not torch.cuda.is_available(),
+        optim="adamw_torch", seed=0, disable_tqdm=True, max_length=None, padding_free=True,
+        deepspeed={"train_micro_batch_size_per_gpu": "auto", "gradient_accumulation_steps": "auto",
+                   "train_batch_size": "auto", "gradient_clipping": "auto", "zero_optimization": zero,
+                   "zero_allow_untested_optimizer": True, "steps_per_print": 10**9},
+    )
+    data = synthetic_pairs(args.num_samples)
+    if args.odc:
+        trainer = make_trainer_class()(model, config, train_dataset=data, processing_class=tokenizer,
+                                       max_tokens_per_microbatch=args.max_tokens, microbatch_collator="trainer")
+    else:
+        trainer = SFTTrainer(model, config, train_dataset=data, processing_class=tokenizer)
+    result = trainer.train()
+    if trainer.is_world_process_zero():
+        print(f"done: {trainer.state.global_step} steps, train_loss={result.metrics['train_loss']:.4f}", flush=True)
+
+    import torch.distributed as dist
+    dist.barrier()
+    dist.destroy_process_group()
+
+
+if __name__ == "__main__":
+    main()
