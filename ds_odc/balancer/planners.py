@@ -202,7 +202,7 @@ def _lb_micro(act: list[int], lens: list[int], costs: list[float], W: int, T: in
     else:
         # Smallest common count: start at the largest per-rank lower bound ceil(tokens / T) and raise it until
         # every rank's share fits (rarely needed more than once).
-        m = max(math.ceil(sum(pl) / T) for _, pl, _ in shares)
+        m = max((max(1, math.ceil(sum(pl) / T)) if pl else 0) for _, pl, _ in shares)
     if m == 0:  # empty minibatch
         return [[] for _ in range(W)]
     while True:
