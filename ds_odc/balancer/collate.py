@@ -51,7 +51,8 @@ class PackedCollator:
             x = torch.as_tensor(s["input_ids"], dtype=torch.long).reshape(-1)
             if x.numel() == 0:
                 raise ValueError("PackedCollator got a sample with no tokens")
-            y = torch.as_tensor(s["labels"], dtype=torch.long).reshape(-1).clone() if s.get("labels") is not None else x.clone()
+            given = s.get("labels")
+            y = x.clone() if given is None else torch.as_tensor(given, dtype=torch.long).reshape(-1).clone()
             if y.shape != x.shape:
                 raise ValueError(f"labels shape {tuple(y.shape)} differs from input_ids shape {tuple(x.shape)}")
             y[0] = IGNORE_INDEX

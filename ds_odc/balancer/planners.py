@@ -12,7 +12,8 @@ rank, a list of microbatches (lists of sample indices).  Three planners:
     Equal-cardinality partition of the costs over ranks, then every rank splits its share into the *same* number
     ``m`` of microbatches: the smallest count, starting from the largest per-rank bound ``ceil(tokens / budget)``,
     at which every rank's share fits (each rank evaluates every rank, so no all-reduce is needed); the split
-    balances cost so slot ``j`` costs about the same on every rank.  Ranks hold one more sample or one empty microbatch only when ``n % W != 0``.
+    balances cost so slot ``j`` costs about the same on every rank.  Ranks hold one more sample or one empty
+    microbatch only when ``n % W != 0``.
 ``lb-mini`` (balanced per minibatch, ODC only)
     Free-cardinality partition of the costs over ranks (no rank is empty unless ``n < W``), then each rank packs
     its share into as few microbatches as fit the budget.  Counts differ per rank, which only a runtime without
@@ -159,7 +160,9 @@ def plan_minibatch(
             else:
                 skipped = tuple(over.tolist())
 
-    active = np.setdiff1d(np.arange(lens.size), np.asarray(skipped, dtype=np.int64)) if skipped else np.arange(lens.size)
+    active = np.arange(lens.size)
+    if skipped:
+        active = np.setdiff1d(active, np.asarray(skipped, dtype=np.int64))
     act = active.tolist()
     act_lens = lens[active].tolist()
     act_costs = get_cost_model(cost)(lens[active]).tolist() if act else []

@@ -24,7 +24,8 @@ def test_no_torch_distributed_in_balancer():
     src = pathlib.Path(B.__file__).parent
     for f in src.glob("*.py"):
         text = f.read_text()
-        for pattern in ("import torch.distributed", "from torch.distributed", "torch.distributed.", "from torch import distributed"):
+        for pattern in ("import torch.distributed", "from torch.distributed", "torch.distributed.",
+                        "from torch import distributed"):
             assert pattern not in text, (f, pattern)
     # torch only in the collator
     users = sorted(f.name for f in src.glob("*.py") if "import torch" in f.read_text())

@@ -4,7 +4,6 @@ import math
 import numpy as np
 import pytest
 
-from ds_odc.balancer import plan_minibatch
 from ds_odc.balancer.presets import PRESETS, get_preset, longtail_from_normals
 from ds_odc.balancer.simulate import main, simulate, step_time_of
 
