@@ -12,11 +12,30 @@ __version__ = "0.1.0"
 _patched = False
 
 
+def _import_deepspeed_quietly() -> None:
+    """DeepSpeed logs its accelerator choice to *stdout* while importing; route that line to stderr so that tools
+    such as ``python -m ds_odc.balancer.simulate --json`` print only their output, then give its logger stdout back."""
+    import sys
+    if "deepspeed" in sys.modules:
+        return
+    stdout = sys.stdout
+    sys.stdout = sys.stderr
+    try:
+        import deepspeed  # noqa: F401
+    finally:
+        sys.stdout = stdout
+    from deepspeed.utils import logger
+    for handler in logger.handlers:
+        if getattr(handler, "stream", None) is sys.stderr and stdout is not sys.stderr:
+            handler.setStream(stdout)
+
+
 def patch() -> None:
     """Teach DeepSpeed the ``odc`` key and hook its stage-3 optimizer construction. Idempotent; run at import."""
     global _patched
     if _patched:
         return
+    _import_deepspeed_quietly()
     from ds_odc.config import OdcZeroConfig
     from ds_odc.zero import _deepspeed_privates as privates
     from ds_odc.zero.optimizer import OdcOptimizer

@@ -57,6 +57,8 @@ def parse_args(argv=None):
                    help="balancer cost model; quadratic: a*L + b*L^2 from the model's shape")
     p.add_argument("--minibatch-size", type=int, default=4, help="samples per rank per optimizer step")
     p.add_argument("--max-tokens", type=int, default=None, help="token budget per microbatch (default: 1 sample)")
+    p.add_argument("--oversize", default="error", choices=["error", "truncate", "skip"],
+                   help="a sample longer than --max-tokens: stop with an error, truncate it, or skip it (counted)")
     p.add_argument("--steps", type=int, default=5)
     p.add_argument("--warmup-steps", type=int, default=0, help="steps excluded from the summary")
     p.add_argument("--seed", type=int, default=0)
@@ -164,8 +166,12 @@ def main(argv=None):
     cost = QuadraticCost.from_hf_config(model.config) if args.cost == "quadratic" else "tokens"
     sampler = BalancedBatchSampler(lengths.tolist(), world_size=world, rank=rank, minibatch_size=args.minibatch_size,
                                    max_tokens=args.max_tokens, planner=args.balancer, seed=args.seed,
-                                   shuffle=not args.no_shuffle, cost=cost)
+                                   shuffle=not args.no_shuffle, cost=cost, oversize=args.oversize)
     collate = PackedCollator()
+
+    def sample_ids(j: int) -> torch.Tensor:
+        return torch.as_tensor(token_ids[j]) if token_ids else sample_tokens(j, int(lengths[j]), vocab, args.seed)
+
     steps = min(args.steps, len(sampler))
     records = []
     progress = None
@@ -179,7 +185,7 @@ def main(argv=None):
         loss_share, tokens = 0.0, 0
         k = len(batch.microbatches)
         for i, mb in enumerate(batch.microbatches):
-            samples = [{"input_ids": token_ids[j] if token_ids else sample_tokens(j, int(lengths[j]), vocab, args.seed)}
+            samples = [{"input_ids": sample_ids(j)[:args.max_tokens] if j in batch.truncated else sample_ids(j)}
                        for j in mb]
             row = {key: t.to(device) for key, t in collate(samples).items()}
             tokens += row["input_ids"].numel()
