@@ -25,7 +25,7 @@ from ds_odc.balancer import QuadraticCost  # noqa: E402
 from ds_odc.balancer.collate import PackedCollator  # noqa: E402
 from ds_odc.balancer.sampler import BalancedBatchSampler  # noqa: E402
 from ds_odc.loss import global_mean_weight, token_loss_sum  # noqa: E402
-from ds_odc.metrics import StepClock, gather_step  # noqa: E402
+from ds_odc.metrics import StepClock, gather_step, summarize  # noqa: E402
 
 
 def main():
@@ -88,14 +88,8 @@ def main():
         busy, step_time = clock.finish(0.0)
         records.append(gather_step(loss_share, busy, step_time, len(batch.microbatches), tokens, batch.num_samples))
     if rank == 0:
-        timed = records[args.warmup_steps:] or records
-        total = sum(r.step_time_s for r in timed)
-        summary = {"samples_per_s": sum(r.samples_per_s * r.step_time_s for r in timed) / total,
-                   "samples_per_s_per_device": sum(r.samples_per_s * r.step_time_s for r in timed) / total / world,
-                   "tokens_per_s": sum(r.tokens_per_s * r.step_time_s for r in timed) / total,
-                   "bubble_rate": 1.0 - sum(sum(p.busy_s for p in r.per_rank) for r in timed) / (world * total),
-                   "time_s": total, "peak_mem_bytes": max(r.peak_mem_bytes for r in records),
-                   "final_loss": records[-1].loss}
+        summary = summarize(records, args.warmup_steps, world)
+        total = summary["time_s"]
         if args.metrics_json:
             Path(args.metrics_json).write_text(json.dumps({"config": {**vars(args), "engine": "fsdp2"},
                                                            "steps": [r.as_dict() for r in records],

@@ -85,3 +85,19 @@ def gather_step(loss_sum: float, busy_s: float, step_time_s: float, microbatches
         peak_mem_bytes=int(peak),
         per_rank=[RankStep(b, step_time - b, int(r[3]), int(r[4])) for b, r in zip(busy, rows)],
     )
+
+
+def summarize(records: list[StepRecord], warmup_steps: int, world_size: int) -> dict:
+    """Throughput and bubble over the timed steps (after ``warmup_steps``), weighting each step by its time."""
+    timed = records[warmup_steps:] or records
+    total = sum(r.step_time_s for r in timed)
+    samples_per_s = sum(r.samples_per_s * r.step_time_s for r in timed) / total
+    return {
+        "samples_per_s": samples_per_s,
+        "samples_per_s_per_device": samples_per_s / world_size,
+        "tokens_per_s": sum(r.tokens_per_s * r.step_time_s for r in timed) / total,
+        "bubble_rate": 1.0 - sum(sum(p.busy_s for p in r.per_rank) for r in timed) / (world_size * total),
+        "time_s": total,
+        "peak_mem_bytes": max(r.peak_mem_bytes for r in records),
+        "final_loss": records[-1].loss,
+    }

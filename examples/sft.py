@@ -24,7 +24,7 @@ from ds_odc.balancer import QuadraticCost
 from ds_odc.balancer.collate import PackedCollator
 from ds_odc.balancer.presets import PRESETS, get_preset
 from ds_odc.loss import global_mean_weight, token_loss_sum
-from ds_odc.metrics import StepClock, gather_step
+from ds_odc.metrics import StepClock, gather_step, summarize
 from ds_odc.testing import finish, init_cpu_distributed
 
 MODEL_PRESETS = {
@@ -211,17 +211,8 @@ def main(argv=None):
         progress.close()
 
     if rank == 0:
-        timed = records[args.warmup_steps:] or records
-        total_time = sum(r.step_time_s for r in timed)
-        summary = {
-            "samples_per_s": sum(r.samples_per_s * r.step_time_s for r in timed) / total_time,
-            "samples_per_s_per_device": sum(r.samples_per_s * r.step_time_s for r in timed) / total_time / world,
-            "tokens_per_s": sum(r.tokens_per_s * r.step_time_s for r in timed) / total_time,
-            "bubble_rate": 1.0 - sum(sum(p.busy_s for p in r.per_rank) for r in timed) / (world * total_time),
-            "time_s": total_time,
-            "peak_mem_bytes": max(r.peak_mem_bytes for r in records),
-            "final_loss": records[-1].loss,
-        }
+        summary = summarize(records, args.warmup_steps, world)
+        total_time = summary["time_s"]
         config = {k: v for k, v in vars(args).items() if k != "local_rank"}
         config.update(world_size=world, odc=odc_on, device=str(device), deepspeed_version=deepspeed.__version__)
         out = {"config": config, "steps": [r.as_dict() for r in records], "summary": summary}
