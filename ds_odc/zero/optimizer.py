@@ -93,9 +93,10 @@ class OdcOptimizer(privates.Stage3Seams, DeepSpeedZeroOptimizer_Stage3):
             self.odc_frozen_shards.append(buffer)
 
     def _odc_rehome_accumulator(self) -> None:
-        """Move DeepSpeed's gradient accumulation partition into transport memory, where peers push."""
+        """Move DeepSpeed's gradient accumulation partition into transport memory, where peers push. Always fp32:
+        pushes from many microbatches and ranks add up there (stock bf16 training would accumulate in bf16)."""
         stock = self.grad_partitions_flat_buffer
-        self.odc_accumulator = self.odc_transport.allocate(stock.numel(), stock.dtype, accumulator=True)
+        self.odc_accumulator = self.odc_transport.allocate(stock.numel(), torch.float32, accumulator=True)
         self.grad_partitions_flat_buffer = self.odc_accumulator.local
         views = privates.grad_partition_map(self)
         offset = 0
@@ -131,8 +132,9 @@ class OdcOptimizer(privates.Stage3Seams, DeepSpeedZeroOptimizer_Stage3):
         # A rank that ran no backward this minibatch never set its gradient views; the pushes of others still count.
         views = privates.grad_partition_map(self)
         for i, group in enumerate(self.fp16_groups):
-            self.averaged_gradients[i] = [views[p.ds_id] if p.requires_grad else torch.zeros_like(p.ds_tensor)
-                                          for p in group]
+            self.averaged_gradients[i] = [
+                views[p.ds_id] if p.requires_grad else torch.zeros_like(p.ds_tensor, dtype=torch.float32)
+                for p in group]
         self._odc_published = False
         super().step(closure)
         if not self._odc_published:  # stock skipped the update (inf/nan gradients): still release the ranks
