@@ -139,8 +139,8 @@ def main(argv=None):
     if os.environ.get("DS_ACCELERATOR") == "cpu" or not torch.cuda.is_available():
         init_cpu_distributed(timeout_s=300)
     else:
-        deepspeed.init_distributed()
         torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", 0)))
+        deepspeed.init_distributed()
     rank, world = dist.get_rank(), dist.get_world_size()
     device = torch.device("cuda", torch.cuda.current_device()) if torch.cuda.is_available() else torch.device("cpu")
 
