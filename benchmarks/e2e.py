@@ -63,7 +63,8 @@ def run(mode: str, args, lengths: Path, out: Path) -> dict:
     started = time.monotonic()
     with open(log, "w") as f:
         proc = subprocess.run(cmd, stdout=f, stderr=subprocess.STDOUT, timeout=args.run_timeout,
-                              env=dict(os.environ, PYTHONPATH=str(ROOT)))
+                              env=dict(os.environ, PYTHONPATH=os.pathsep.join(
+                                  p for p in [str(ROOT), os.environ.get("PYTHONPATH", "")] if p)))
     if proc.returncode != 0 or not metrics.exists():
         tail = log.read_text()[-2500:]
         print(f"  {mode} FAILED (rc={proc.returncode}); log tail:\n{tail}", flush=True)
