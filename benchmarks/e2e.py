@@ -54,7 +54,9 @@ def run(mode: str, args, lengths: Path, out: Path) -> dict:
            str(ROOT / ("examples/sft.py" if script == "sft" else "benchmarks/fsdp2_sft.py")),
            "--model", args.model, "--lengths-file", str(lengths), "--no-shuffle", "--balancer", balancer,
            "--minibatch-size", "4", "--steps", str(args.steps), "--warmup-steps", "1", "--gradient-checkpointing",
-           "--metrics-json", str(metrics), "--cost", "quadratic"]
+           "--metrics-json", str(metrics), "--cost", args.cost]
+    if args.cost_coeffs:
+        cmd += ["--cost-coeffs", args.cost_coeffs]
     if config:
         cmd += ["--deepspeed", str(ROOT / "ds_configs" / config)]
     if args.workload == "longtail-packed" and balancer != "local-sort":
@@ -86,6 +88,8 @@ def main():
     p.add_argument("--out", default="e2e_results")
     p.add_argument("--run-timeout", type=float, default=300)
     p.add_argument("--budget-s", type=float, default=1e9, help="skip the remaining modes after this many seconds")
+    p.add_argument("--cost", default="quadratic", choices=["tokens", "quadratic", "fitted"])
+    p.add_argument("--cost-coeffs", help="A,B,C for --cost fitted (e.g. the per-microbatch overhead measured here)")
     p.add_argument("--scale", type=float, default=1.0, help="scale all lengths (CPU smoke runs with --model tiny)")
     args = p.parse_args()
     out = Path(args.out)

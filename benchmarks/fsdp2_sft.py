@@ -19,9 +19,8 @@ import torch
 import torch.distributed as dist
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "examples"))
-from sft import MODEL_PRESETS, load_lengths, parse_args, sample_tokens  # noqa: E402
+from sft import MODEL_PRESETS, cost_model, load_lengths, parse_args, sample_tokens  # noqa: E402
 
-from ds_odc.balancer import QuadraticCost  # noqa: E402
 from ds_odc.balancer.collate import PackedCollator  # noqa: E402
 from ds_odc.balancer.sampler import BalancedBatchSampler  # noqa: E402
 from ds_odc.loss import global_mean_weight, token_loss_sum  # noqa: E402
@@ -60,7 +59,7 @@ def main():
         torch.cuda.reset_peak_memory_stats()  # as sft.py: the peak of training, not of building
 
     lengths, token_ids = load_lengths(args)
-    cost = QuadraticCost.from_hf_config(config) if args.cost == "quadratic" else "tokens"
+    cost = cost_model(args, config)
     sampler = BalancedBatchSampler(lengths.tolist(), world_size=world, rank=rank, minibatch_size=args.minibatch_size,
                                    max_tokens=args.max_tokens, planner=args.balancer, seed=args.seed,
                                    shuffle=not args.no_shuffle, cost=cost)

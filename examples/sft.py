@@ -20,7 +20,7 @@ import torch
 
 import ds_odc  # noqa: F401  (before the model is built: installs the odc config key)
 from ds_odc.balancer.sampler import BalancedBatchSampler
-from ds_odc.balancer import QuadraticCost
+from ds_odc.balancer import FittedCost, QuadraticCost
 from ds_odc.balancer.collate import PackedCollator
 from ds_odc.balancer.presets import PRESETS, get_preset
 from ds_odc.loss import global_mean_weight, token_loss_sum
@@ -53,8 +53,11 @@ def parse_args(argv=None):
     p.add_argument("--length-scale", type=float, default=1.0, help="multiply preset lengths (tiny CPU runs)")
     p.add_argument("--equal-lengths", type=int, default=None, help="every sample this long (no-regression runs)")
     p.add_argument("--balancer", default="lb-mini", choices=["local-sort", "lb-micro", "lb-mini"])
-    p.add_argument("--cost", default="tokens", choices=["tokens", "quadratic"],
-                   help="balancer cost model; quadratic: a*L + b*L^2 from the model's shape")
+    p.add_argument("--cost", default="tokens", choices=["tokens", "quadratic", "fitted"],
+                   help="balancer cost model; quadratic: a*L + b*L^2 from the model's shape; fitted: --cost-coeffs")
+    p.add_argument("--cost-coeffs", default=None, metavar="A,B,C",
+                   help="fitted cost a*L + b*L^2 + c per sample (c: the fixed cost of a microbatch when each sample "
+                        "is one; see docs/BENCHMARKS.md for measured values)")
     p.add_argument("--minibatch-size", type=int, default=4, help="samples per rank per optimizer step")
     p.add_argument("--max-tokens", type=int, default=None, help="token budget per microbatch (default: 1 sample)")
     p.add_argument("--oversize", default="error", choices=["error", "truncate", "skip"],
@@ -101,6 +104,18 @@ def sample_tokens(index: int, length: int, vocab: int, seed: int) -> torch.Tenso
     """Deterministic random tokens of sample ``index``: the same sample is identical in every mode and on every rank."""
     g = torch.Generator().manual_seed(seed * 1_000_003 + index)
     return torch.randint(0, vocab, (length,), generator=g)
+
+
+def cost_model(args, model_config):
+    """The balancer's cost of a sample, from ``--cost`` (and ``--cost-coeffs``)."""
+    if args.cost == "quadratic":
+        return QuadraticCost.from_hf_config(model_config)
+    if args.cost == "fitted":
+        if not args.cost_coeffs:
+            sys.exit("--cost fitted needs --cost-coeffs A,B,C (cost = A*L + B*L^2 + C)")
+        a, b, c = (float(x) for x in args.cost_coeffs.split(","))
+        return FittedCost(a=a, b=b, c=c)
+    return "tokens"
 
 
 def build_model(args, ds_config: dict, device: torch.device):
@@ -163,7 +178,7 @@ def main(argv=None):
         torch.cuda.empty_cache()
         torch.cuda.reset_peak_memory_stats()  # peak memory of training, not of building the unpartitioned model
 
-    cost = QuadraticCost.from_hf_config(model.config) if args.cost == "quadratic" else "tokens"
+    cost = cost_model(args, model.config)
     sampler = BalancedBatchSampler(lengths.tolist(), world_size=world, rank=rank, minibatch_size=args.minibatch_size,
                                    max_tokens=args.max_tokens, planner=args.balancer, seed=args.seed,
                                    shuffle=not args.no_shuffle, cost=cost, oversize=args.oversize)
