@@ -10,6 +10,7 @@ runs can be compared step by step. ``--metrics-json`` writes per-step throughput
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import os
 import sys
@@ -25,6 +26,7 @@ from ds_odc.balancer.collate import PackedCollator
 from ds_odc.balancer.presets import PRESETS, get_preset
 from ds_odc.loss import global_mean_weight, token_loss_sum
 from ds_odc.metrics import StepClock, gather_step, summarize
+from ds_odc.profiling import profile_step
 from ds_odc.testing import finish, init_cpu_distributed
 
 MODEL_PRESETS = {
@@ -72,6 +74,9 @@ def parse_args(argv=None):
     p.add_argument("--zero-init", action="store_true",
                    help="build the model partitioned with deepspeed.zero.Init (GPU; fails on CPU with torch 2.13)")
     p.add_argument("--metrics-json")
+    p.add_argument("--profile-step", type=int, default=None,
+                   help="profile this step (torch profiler): host vs device time, top ops, Chrome trace")
+    p.add_argument("--profile-dir", default="profile", help="where --profile-step writes its files")
     p.add_argument("--timeline", help="draw per-rank busy/wait bars of the last steps to this PNG")
     p.add_argument("--local_rank", type=int, default=None)  # the deepspeed launcher passes it
     return p.parse_args(argv)
@@ -194,26 +199,32 @@ def main(argv=None):
         from tqdm import tqdm
         progress = tqdm(total=steps, desc=f"{'odc' if odc_on else 'stock'}+{args.balancer}", dynamic_ncols=True)
     clock = StepClock()
+    profile = None
     for step, batch in zip(range(steps), sampler):
         weight = global_mean_weight(batch.num_label_tokens, world)
+        profiling = (profile_step(args.profile_dir, rank, model.config.num_hidden_layers)
+                     if step == args.profile_step else contextlib.nullcontext())
         clock.start()
         loss_share, tokens = 0.0, 0
         k = len(batch.microbatches)
-        for i, mb in enumerate(batch.microbatches):
-            samples = [{"input_ids": sample_ids(j)[:args.max_tokens] if j in batch.truncated else sample_ids(j)}
-                       for j in mb]
-            row = {key: t.to(device) for key, t in collate(samples).items()}
-            tokens += row["input_ids"].numel()
-            engine.set_gradient_accumulation_boundary(i == k - 1)
-            logits = engine(input_ids=row["input_ids"], position_ids=row["position_ids"]).logits
-            loss = token_loss_sum(logits, row["labels"]) * weight
-            del logits
-            engine.backward(loss, scale_wrt_gas=False)
-            engine.step()
-            loss_share += loss.item() / world
-        if k == 0:  # a rank with no microbatch still joins the step
-            engine.set_gradient_accumulation_boundary(True)
-            engine.step()
+        with profiling as profiled:
+            for i, mb in enumerate(batch.microbatches):
+                samples = [{"input_ids": sample_ids(j)[:args.max_tokens] if j in batch.truncated else sample_ids(j)}
+                           for j in mb]
+                row = {key: t.to(device) for key, t in collate(samples).items()}
+                tokens += row["input_ids"].numel()
+                engine.set_gradient_accumulation_boundary(i == k - 1)
+                logits = engine(input_ids=row["input_ids"], position_ids=row["position_ids"]).logits
+                loss = token_loss_sum(logits, row["labels"]) * weight
+                del logits
+                engine.backward(loss, scale_wrt_gas=False)
+                engine.step()
+                loss_share += loss.item() / world
+            if k == 0:  # a rank with no microbatch still joins the step
+                engine.set_gradient_accumulation_boundary(True)
+                engine.step()
+        if profiled is not None:
+            profile = profiled
         clock.compute_done()
         busy, step_time = clock.finish(getattr(engine.optimizer, "odc_wait_s", 0.0))
         record = gather_step(loss_share, busy, step_time, k, tokens, batch.num_samples)
@@ -231,6 +242,12 @@ def main(argv=None):
         config = {k: v for k, v in vars(args).items() if k != "local_rank"}
         config.update(world_size=world, odc=odc_on, device=str(device), deepspeed_version=deepspeed.__version__)
         out = {"config": config, "steps": [r.as_dict() for r in records], "summary": summary}
+        if profile:
+            out["profile_rank0"] = profile
+            print(f"profile of step {args.profile_step} (rank 0): wall {profile['wall_s']:.2f}s, device busy "
+                  f"{profile['device_busy_s']:.2f}s, device idle {profile['device_idle_s']:.2f}s, host in ops "
+                  f"{profile['host_op_s']:.2f}s; per layer: device {profile['device_per_layer_s'] * 1e3:.1f} ms, "
+                  f"host {profile['host_per_layer_s'] * 1e3:.1f} ms; files in {args.profile_dir}/", flush=True)
         if args.metrics_json:
             Path(args.metrics_json).write_text(json.dumps(out, indent=1))
         print(f"summary: loss {summary['final_loss']:.5f}  samples/s {summary['samples_per_s']:.3f}  "
