@@ -31,8 +31,10 @@ def run_mode(config: str, balancer: str, args, metrics: Path) -> dict:
     cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={args.nproc}",
            str(ROOT / "examples" / "sft.py"), "--deepspeed", str(ROOT / "ds_configs" / config),
            "--balancer", balancer, "--model", "tiny", "--preset", args.preset, "--length-scale",
-           str(args.length_scale), "--max-tokens", str(args.max_tokens), "--minibatch-size", str(args.minibatch_size),
+           str(args.length_scale), "--minibatch-size", str(args.minibatch_size),
            "--steps", str(args.steps), "--seed", str(args.seed), "--metrics-json", str(metrics)]
+    if args.max_tokens:
+        cmd += ["--max-tokens", str(args.max_tokens)]
     env = dict(os.environ, OMP_NUM_THREADS="1", GLOO_SOCKET_IFNAME="lo", MASTER_ADDR="127.0.0.1",
                DS_ACCELERATOR="cpu", PYTHONWARNINGS="ignore", PYTHONPATH=str(ROOT))
     proc = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=args.timeout)
@@ -49,7 +51,9 @@ def main(argv=None):
     p.add_argument("--minibatch-size", type=int, default=4)
     p.add_argument("--preset", default="baselines-longtail")
     p.add_argument("--length-scale", type=float, default=0.004, help="scale preset lengths down for a CPU run")
-    p.add_argument("--max-tokens", type=int, default=160)
+    p.add_argument("--max-tokens", type=int, default=None,
+                   help="token budget per microbatch (default: one sample per microbatch, where lb-mini gives ranks "
+                        "different microbatch counts)")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--timeout", type=float, default=600)
     p.add_argument("--json", help="write all runs' metrics here")
@@ -66,12 +70,12 @@ def main(argv=None):
     print("step  " + "  ".join(f"{label:>18}" for label in labels))
     for step in range(args.steps):
         print(f"{step:>4}  " + "  ".join(f"{runs[label]['steps'][step]['loss']:>18.6f}" for label in labels))
-    print("\n" + f"{'mode':<20}{'samples/s':>10}{'bubble':>9}{'microbatches per rank (last step)':>36}")
+    print("\n" + f"{'mode':<20}{'samples/s':>10}{'bubble':>9}   microbatches per rank, step by step")
     for label in labels:
         s = runs[label]["summary"]
-        counts = [r["microbatches"] for r in runs[label]["steps"][-1]["per_rank"]]
+        counts = " ".join("/".join(str(r["microbatches"]) for r in step["per_rank"]) for step in runs[label]["steps"])
         bubble = f"{s['bubble_rate']:.1%}" if label.startswith("odc") else f">={s['bubble_rate']:.1%}"
-        print(f"{label:<20}{s['samples_per_s']:>10.1f}{bubble:>9}{str(counts):>36}")
+        print(f"{label:<20}{s['samples_per_s']:>10.1f}{bubble:>9}   {counts}")
     reference = [s["loss"] for s in runs[labels[0]]["steps"]]
     worst = max(abs(s["loss"] - r) / abs(r) for label in labels for s, r in zip(runs[label]["steps"], reference))
     print(f"\nlargest relative loss difference between modes: {worst:.2e}")
