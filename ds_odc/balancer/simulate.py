@@ -15,8 +15,8 @@ depends on how the planner's runtime synchronises:
 Bubble rate = 1 - sum(busy) / (R * makespan), aggregated over steps as
 1 - sum_steps sum_ranks busy / (R * sum_steps step_time): the fraction of device time spent waiting.
 
-The model ignores communication, per-microbatch overheads and the optimizer step; it isolates the imbalance a
-planner leaves.  The *balance bound* per step is max(total / R, costliest sample): no minibatch-level planner can
+The model ignores communication and the optimizer step; it isolates the imbalance a planner leaves. A fixed cost per
+microbatch (``--microbatch-overhead``, e.g. the host overhead measured on GPUs) can be added to every microbatch.  The *balance bound* per step is max(total / R, costliest sample): no minibatch-level planner can
 finish faster, so when one sample costs more than the fair share the bound, not the planner, limits the gain.
 """
 
@@ -32,7 +32,7 @@ from typing import Iterable, Sequence
 
 import numpy as np
 
-from .cost import CostModel, get_cost_model
+from .cost import CostModel, FittedCost, get_cost_model
 from .planners import PLANNERS, Plan, plan_minibatch
 from .presets import PRESETS, get_preset
 
@@ -66,13 +66,16 @@ def simulate_step(
     cost: "str | CostModel" = "tokens",
     planners: Iterable[str] = PLANNERS,
     oversize: str = "truncate",
+    microbatch_overhead: float = 0.0,
 ) -> dict[str, StepResult]:
-    """Plan one minibatch with each planner and time it under the planner's sync mode."""
+    """Plan one minibatch with each planner and time it under the planner's sync mode. ``microbatch_overhead`` (cost
+    units) is added to every microbatch's time but not told to the planners: the fixed host cost a runtime pays per
+    microbatch (measured on GPUs: docs/BENCHMARKS.md)."""
     cm = get_cost_model(cost)
     out = {}
     for name in planners:
         plan = plan_minibatch(lengths, ranks, planner=name, max_tokens=max_tokens, cost=cm, oversize=oversize)
-        mbc = plan.microbatch_costs(cm, lengths)
+        mbc = [[c + microbatch_overhead for c in r] for r in plan.microbatch_costs(cm, lengths)]
         out[name] = StepResult(
             planner=name,
             busy=np.array([math.fsum(r) for r in mbc]),
@@ -102,6 +105,7 @@ def simulate(
     oversize: str = "truncate",
     planners: Iterable[str] = PLANNERS,
     keep_steps: bool = False,
+    microbatch_overhead: float = 0.0,
 ) -> dict:
     """Run ``steps`` minibatches; ``source`` is a preset name or a pool of lengths.  Returns the JSON summary."""
     planners = list(planners)
@@ -116,7 +120,7 @@ def simulate(
     history = []
     for _ in range(steps):
         lengths = _draw(pool, ranks * minibatch_size, rng)
-        res = simulate_step(lengths, ranks, max_tokens, cm, planners, oversize)
+        res = simulate_step(lengths, ranks, max_tokens, cm, planners, oversize, microbatch_overhead)
         eff = lengths if max_tokens is None or oversize != "truncate" else np.minimum(lengths, max_tokens)
         c = cm(eff)
         fair, biggest = float(c.sum()) / ranks, float(c.max())
@@ -203,8 +207,12 @@ def main(argv: Sequence[str] | None = None) -> int:
     src.add_argument("--preset", choices=sorted(PRESETS), help="synthetic length distribution")
     ap.add_argument("--ranks", type=int, required=True)
     ap.add_argument("--minibatch-size", type=int, required=True, help="samples per rank per minibatch")
-    ap.add_argument("--max-tokens", type=int, required=True, help="token budget per microbatch")
-    ap.add_argument("--cost", default="tokens", choices=["tokens", "quadratic"])
+    ap.add_argument("--max-tokens", type=int, required=True,
+                    help="token budget per microbatch (0: no packing, one sample per microbatch)")
+    ap.add_argument("--cost", default="tokens", choices=["tokens", "quadratic", "fitted"])
+    ap.add_argument("--cost-coeffs", metavar="A,B,C", help="with --cost fitted: cost = A*L + B*L^2 + C per sample")
+    ap.add_argument("--microbatch-overhead", type=float, default=0.0,
+                    help="fixed cost of every microbatch, in cost units, unknown to the planners (default 0)")
     ap.add_argument("--steps", type=int, default=20)
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--oversize", default="truncate", choices=["error", "truncate", "skip"],
@@ -214,11 +222,18 @@ def main(argv: Sequence[str] | None = None) -> int:
     args = ap.parse_args(argv)
 
     source = args.preset if args.preset else _read_lengths(args.lengths)
+    cost: "str | CostModel" = args.cost
+    if args.cost == "fitted":
+        if not args.cost_coeffs:
+            ap.error("--cost fitted needs --cost-coeffs A,B,C")
+        a, b, c = (float(x) for x in args.cost_coeffs.split(","))
+        cost = FittedCost(a=a, b=b, c=c)
     t0 = time.perf_counter()
     try:
-        summary = simulate(source, ranks=args.ranks, minibatch_size=args.minibatch_size, max_tokens=args.max_tokens,
-                           cost=args.cost, steps=args.steps, seed=args.seed, oversize=args.oversize,
-                           keep_steps=bool(args.plot))
+        summary = simulate(source, ranks=args.ranks, minibatch_size=args.minibatch_size,
+                           max_tokens=args.max_tokens or None, cost=cost, steps=args.steps, seed=args.seed,
+                           oversize=args.oversize, keep_steps=bool(args.plot),
+                           microbatch_overhead=args.microbatch_overhead)
     except ValueError as e:
         print(f"error: {e}", file=sys.stderr)
         return 2

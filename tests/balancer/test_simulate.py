@@ -5,7 +5,7 @@ import numpy as np
 import pytest
 
 from ds_odc.balancer.presets import PRESETS, get_preset, longtail_from_normals
-from ds_odc.balancer.simulate import main, simulate, step_time_of
+from ds_odc.balancer.simulate import main, simulate, simulate_step, step_time_of
 
 
 def test_step_time_collective_vs_odc_by_hand():
@@ -106,3 +106,24 @@ def test_cli_module_entry_point_prints_only_json():
     # 2 ranks of the baselines workload: collectives waste ~22% (measured 7.76 s vs 6.07 s), LB-Mini ~1%
     assert 0.15 < data["local-sort"]["bubble_rate"] < 0.35
     assert data["lb-mini"]["bubble_rate"] < 0.03
+
+
+def test_microbatch_overhead_is_charged_per_microbatch_and_hidden_from_planners():
+    """A fixed per-microbatch cost adds exactly overhead x microbatches to every rank's busy time, and does not
+    change the plans (the planners do not know it), so lb-mini can lose to lb-micro once it dominates."""
+    lengths = [900, 100, 100, 100, 100, 100, 100, 100]
+    plain = simulate_step(lengths, 2, None, "tokens")
+    charged = simulate_step(lengths, 2, None, "tokens", microbatch_overhead=1000.0)
+    for name in plain:
+        assert list(charged[name].num_microbatches) == list(plain[name].num_microbatches)
+        assert list(charged[name].busy) == [b + 1000.0 * n for b, n in zip(plain[name].busy,
+                                                                          plain[name].num_microbatches)]
+    assert plain["lb-mini"].step_time < plain["lb-micro"].step_time
+    assert charged["lb-mini"].step_time > charged["lb-micro"].step_time  # 1 vs 7 microbatches: overhead dominates
+
+
+def test_cli_fitted_cost_and_no_packing(capsys):
+    assert main(["--preset", "baselines-longtail", "--ranks", "2", "--minibatch-size", "4", "--max-tokens", "0",
+                 "--cost", "fitted", "--cost-coeffs", "0,1.17e-9,0.83", "--steps", "5", "--json"]) == 0
+    out = json.loads(capsys.readouterr().out)
+    assert out["lb-mini"]["microbatches_per_rank_max"] <= 5  # the intercept keeps counts near 4
