@@ -44,6 +44,14 @@ def test_managed_accumulation_and_frozen_parameters():
     assert r["max_rel_diff"] < 1e-5, r
 
 
+def test_persistent_parameters_are_refreshed_after_the_step():
+    """Small params below stage3_param_persistence_threshold stay gathered; after each update they are re-read from
+    the owners, which must have published their new shards first."""
+    r = run(2, "uneven", "--counts", "3,1", "--persist", 100)
+    assert r["persistent_params"] > 0
+    assert r["max_rel_diff"] < 1e-5, r
+
+
 def test_checkpoint_resume_equals_uninterrupted():
     r = run(2, "checkpoint", "--counts", "3,1")
     assert r["max_rel_diff"] < 1e-6, r  # measured 0.0

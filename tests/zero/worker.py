@@ -106,11 +106,14 @@ def scenario_uneven(args):
     assert len(counts) == world, f"--counts needs {world} entries"
     model = tiny_llama(frozen_embeddings=args.frozen)
     ref_model, ref_losses = reference_run(model, args.steps, sum(counts), clip=args.clip)
-    engine = build(model, ds_config(True, clip=args.clip, managed=args.managed, optimizer="sgd"))
+    extra = {"stage3_param_persistence_threshold": args.persist} if args.persist else None
+    engine = build(model, ds_config(True, clip=args.clip, managed=args.managed, optimizer="sgd", extra_zero=extra))
+    persistent = len(engine.optimizer.persistent_parameters)
     train_uneven(engine, counts, args.steps, managed=args.managed)
     odc = full_params(engine)
     if rank == 0:
         emit({"max_rel_diff": max_rel_diff(odc, full_params(ref_model)), "ref_losses": ref_losses,
+              "persistent_params": persistent,
               "optimizer": type(engine.optimizer).__name__, "grad_norm": float(engine.get_global_grad_norm())})
 
 
@@ -248,6 +251,7 @@ def main():
     parser.add_argument("--timeout", type=float, default=10.0)
     parser.add_argument("--kill", action="store_true")
     parser.add_argument("--bf16", action="store_true")
+    parser.add_argument("--persist", type=int, default=0, help="stage3_param_persistence_threshold")
     parser.add_argument("--local_rank", type=int, default=None)  # the deepspeed launcher passes it
     args = parser.parse_args()
     if args.scenario == "collectives":
