@@ -54,11 +54,3 @@ class OdcZeroConfig(DeepSpeedZeroConfig):
 def odc_config_from_ds_config(ds_config: dict) -> OdcConfig:
     """The ``odc`` block of a raw ds_config dict (what DeepSpeed hands its stage-3 optimizer)."""
     return OdcZeroConfig(**ds_config.get("zero_optimization", {})).odc
-
-
-def odc_config_of(zero_config: Any) -> OdcConfig | None:
-    """The enabled ODC config of a parsed ZeRO config, or None when ODC is off (or the key was never installed)."""
-    odc = getattr(zero_config, "odc", None)
-    if odc is None or not odc.enabled:
-        return None
-    return odc

@@ -1,7 +1,6 @@
 """The main job (examples/compare.py -> examples/sft.py) on 2 CPU ranks: four modes, one loss curve."""
 
 import json
-import os
 import subprocess
 import sys
 from pathlib import Path

@@ -1,7 +1,6 @@
 """Transport scenarios for the shm transport, run on N CPU ranks by tests/ops/test_shm.py."""
 
 import argparse
-import os
 import time
 
 import torch

@@ -6,7 +6,6 @@ Usage: worker.py SCENARIO [options]; rank 0 prints one ODC_RESULT line.
 from __future__ import annotations
 
 import argparse
-import copy
 import os
 import sys
 import tempfile
