@@ -53,12 +53,15 @@ def run(mode: str, args, lengths: Path, out: Path) -> dict:
     cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={args.nproc}",
            str(ROOT / ("examples/sft.py" if script == "sft" else "benchmarks/fsdp2_sft.py")),
            "--model", args.model, "--lengths-file", str(lengths), "--no-shuffle", "--balancer", balancer,
-           "--minibatch-size", "4", "--steps", str(args.steps), "--warmup-steps", "1", "--gradient-checkpointing",
+           "--minibatch-size", "4", "--steps", str(args.steps + args.profile), "--warmup-steps", "1",
+           "--gradient-checkpointing",
            "--metrics-json", str(metrics), "--cost", args.cost]
     if args.cost_coeffs:
         cmd += ["--cost-coeffs", args.cost_coeffs]
     if config:
         cmd += ["--deepspeed", str(ROOT / "ds_configs" / config)]
+    if args.profile:
+        cmd += ["--profile-step", str(args.steps), "--profile-dir", str(out / f"profile-{args.model}-{mode}")]
     if args.workload == "longtail-packed" and balancer != "local-sort":
         cmd += ["--max-tokens", str(max(2, round(65536 * args.scale)))]
     log = out / f"{args.model}-{args.workload}-{mode}.log"
@@ -71,8 +74,11 @@ def run(mode: str, args, lengths: Path, out: Path) -> dict:
         tail = log.read_text()[-2500:]
         print(f"  {mode} FAILED (rc={proc.returncode}); log tail:\n{tail}", flush=True)
         return {"mode": mode, "failed": True}
-    result = json.loads(metrics.read_text())["summary"]
+    written = json.loads(metrics.read_text())
+    result = written["summary"]
     result.update(mode=mode, wall_s=time.monotonic() - started)
+    if written.get("profile_rank0"):
+        result["profile"] = written["profile_rank0"]
     print(f"  {mode}: {result['samples_per_s']:.3f} samples/s, bubble {result['bubble_rate']:.1%} "
           f"({result['wall_s']:.0f}s wall)", flush=True)
     return result
@@ -90,12 +96,14 @@ def main():
     p.add_argument("--budget-s", type=float, default=1e9, help="skip the remaining modes after this many seconds")
     p.add_argument("--cost", default="quadratic", choices=["tokens", "quadratic", "fitted"])
     p.add_argument("--cost-coeffs", help="A,B,C for --cost fitted (e.g. the per-microbatch overhead measured here)")
+    p.add_argument("--profile", action="store_true",
+                   help="run one more minibatch under the torch profiler (not timed): host vs device time per layer")
     p.add_argument("--scale", type=float, default=1.0, help="scale all lengths (CPU smoke runs with --model tiny)")
     args = p.parse_args()
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
     lengths = out / f"lengths-{args.workload}.txt"
-    write_lengths(args.workload, args.steps, lengths, args.scale)
+    write_lengths(args.workload, args.steps + args.profile, lengths, args.scale)
     print(f"# {args.model} / {args.workload} on {args.nproc} ranks: {' '.join(sys.argv)}", flush=True)
     started, results = time.monotonic(), {}
     for mode in args.modes.split(","):
@@ -113,6 +121,14 @@ def main():
         vs_fsdp = f"{r['samples_per_s'] / fsdp['samples_per_s']:.2f}x" if fsdp else "-"
         print(f"{mode:<18}{r['samples_per_s_per_device']:>14.3f}{r['tokens_per_s']:>11.0f}{r['bubble_rate']:>8.1%}"
               f"{r['peak_mem_bytes'] / 2**30:>9.1f}{vs_base:>18}{vs_fsdp:>9}")
+    profiled = {m: r["profile"] for m, r in ok.items() if r.get("profile")}
+    if profiled:
+        print(f"\nprofile of one more minibatch (rank 0, not timed above; files in {out}/profile-*)")
+        print(f"{'mode':<18}{'wall s':>8}{'dev busy':>9}{'dev idle':>9}{'layer fwds':>11}{'host ms':>9}{'dev ms':>8}")
+        for mode, p in profiled.items():
+            print(f"{mode:<18}{p['wall_s']:>8.2f}{p['device_busy_s']:>9.2f}{p['device_idle_s']:>9.2f}"
+                  f"{p.get('layer_forward_calls', 0):>11}{p.get('layer_forward_host_ms', 0):>9.2f}"
+                  f"{p.get('layer_forward_device_ms', 0):>8.2f}")
     (out / f"{args.model}-{args.workload}.json").write_text(json.dumps(results, indent=1))
 
 

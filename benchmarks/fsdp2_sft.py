@@ -10,6 +10,7 @@ their ``--metrics-json`` files compare directly.
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import sys
@@ -19,12 +20,13 @@ import torch
 import torch.distributed as dist
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "examples"))
-from sft import MODEL_PRESETS, cost_model, load_lengths, parse_args, sample_tokens  # noqa: E402
+from sft import MODEL_PRESETS, cost_model, decoder_layers, load_lengths, parse_args, sample_tokens  # noqa: E402
 
 from ds_odc.balancer.collate import PackedCollator  # noqa: E402
 from ds_odc.balancer.sampler import BalancedBatchSampler  # noqa: E402
 from ds_odc.loss import global_mean_weight, token_loss_sum  # noqa: E402
 from ds_odc.metrics import StepClock, gather_step, summarize  # noqa: E402
+from ds_odc.profiling import describe, profile_step  # noqa: E402
 
 
 def main():
@@ -64,35 +66,43 @@ def main():
                                    max_tokens=args.max_tokens, planner=args.balancer, seed=args.seed,
                                    shuffle=not args.no_shuffle, cost=cost)
     collate = PackedCollator()
-    clock, records = StepClock(), []
+    clock, records, profile = StepClock(), [], None
     for step, batch in zip(range(min(args.steps, len(sampler))), sampler):
         weight = global_mean_weight(batch.num_label_tokens, world)
+        profiling = (profile_step(args.profile_dir, rank, decoder_layers(model))
+                     if step == args.profile_step else contextlib.nullcontext())
         clock.start()
         loss_share, tokens = 0.0, 0
-        for mb in batch.microbatches:
-            samples = [{"input_ids": token_ids[j] if token_ids else sample_tokens(j, int(lengths[j]),
-                                                                                     config.vocab_size, args.seed)}
-                       for j in mb]
-            row = {k: t.to(device) for k, t in collate(samples).items()}
-            tokens += row["input_ids"].numel()
-            logits = model(input_ids=row["input_ids"], position_ids=row["position_ids"]).logits
-            loss = token_loss_sum(logits, row["labels"]) * weight
-            del logits
-            loss.backward()  # FSDP2 averages gradients over ranks, as ZeRO does: the W in `weight` cancels it
-            loss_share += loss.item() / world
-        torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
-        optimizer.step()
-        optimizer.zero_grad(set_to_none=True)
+        with profiling as profiled:
+            for mb in batch.microbatches:
+                samples = [{"input_ids": token_ids[j] if token_ids else sample_tokens(j, int(lengths[j]),
+                                                                                         config.vocab_size, args.seed)}
+                           for j in mb]
+                row = {k: t.to(device) for k, t in collate(samples).items()}
+                tokens += row["input_ids"].numel()
+                logits = model(input_ids=row["input_ids"], position_ids=row["position_ids"]).logits
+                loss = token_loss_sum(logits, row["labels"]) * weight
+                del logits
+                loss.backward()  # FSDP2 averages gradients over ranks, as ZeRO does: the W in `weight` cancels it
+                loss_share += loss.item() / world
+            torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
+            optimizer.step()
+            optimizer.zero_grad(set_to_none=True)
+        if profiled is not None:
+            profile = profiled
         clock.compute_done()
         busy, step_time = clock.finish(0.0)
         records.append(gather_step(loss_share, busy, step_time, len(batch.microbatches), tokens, batch.num_samples))
     if rank == 0:
-        summary = summarize(records, args.warmup_steps, world)
+        summary = summarize(records, args.warmup_steps, world, untimed=[args.profile_step])
         total = summary["time_s"]
         if args.metrics_json:
             Path(args.metrics_json).write_text(json.dumps({"config": {**vars(args), "engine": "fsdp2"},
                                                            "steps": [r.as_dict() for r in records],
-                                                           "summary": summary}, indent=1))
+                                                           "summary": summary, "profile_rank0": profile}, indent=1))
+        if profile:
+            print(f"profile of step {args.profile_step} (rank 0): {describe(profile)}; files in "
+                  f"{args.profile_dir}/", flush=True)
         print(f"summary: loss {summary['final_loss']:.5f}  samples/s {summary['samples_per_s']:.3f}  "
               f"time {total:.2f}s", flush=True)
     dist.barrier()

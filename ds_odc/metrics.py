@@ -12,6 +12,7 @@ bubble is a lower bound (the simulator's collective model gives the compute-only
 from __future__ import annotations
 
 import time
+from typing import Iterable
 from dataclasses import asdict, dataclass, field
 
 import torch
@@ -87,9 +88,11 @@ def gather_step(loss_sum: float, busy_s: float, step_time_s: float, microbatches
     )
 
 
-def summarize(records: list[StepRecord], warmup_steps: int, world_size: int) -> dict:
-    """Throughput and bubble over the timed steps (after ``warmup_steps``), weighting each step by its time."""
-    timed = records[warmup_steps:] or records
+def summarize(records: list[StepRecord], warmup_steps: int, world_size: int, untimed: Iterable[int] = ()) -> dict:
+    """Throughput and bubble over the timed steps (after ``warmup_steps``, less the ``untimed`` step indices, e.g. a
+    profiled one), weighting each step by its time."""
+    skip = set(untimed)
+    timed = [r for i, r in enumerate(records) if i >= warmup_steps and i not in skip] or records
     total = sum(r.step_time_s for r in timed)
     samples_per_s = sum(r.samples_per_s * r.step_time_s for r in timed) / total
     return {

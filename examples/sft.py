@@ -26,7 +26,7 @@ from ds_odc.balancer.collate import PackedCollator
 from ds_odc.balancer.presets import PRESETS, get_preset
 from ds_odc.loss import global_mean_weight, token_loss_sum
 from ds_odc.metrics import StepClock, gather_step, summarize
-from ds_odc.profiling import profile_step
+from ds_odc.profiling import describe, profile_step
 from ds_odc.testing import finish, init_cpu_distributed
 
 MODEL_PRESETS = {
@@ -202,7 +202,7 @@ def main(argv=None):
     profile = None
     for step, batch in zip(range(steps), sampler):
         weight = global_mean_weight(batch.num_label_tokens, world)
-        profiling = (profile_step(args.profile_dir, rank, model.config.num_hidden_layers)
+        profiling = (profile_step(args.profile_dir, rank, decoder_layers(model))
                      if step == args.profile_step else contextlib.nullcontext())
         clock.start()
         loss_share, tokens = 0.0, 0
@@ -237,17 +237,15 @@ def main(argv=None):
         progress.close()
 
     if rank == 0:
-        summary = summarize(records, args.warmup_steps, world)
+        summary = summarize(records, args.warmup_steps, world, untimed=[args.profile_step])
         total_time = summary["time_s"]
         config = {k: v for k, v in vars(args).items() if k != "local_rank"}
         config.update(world_size=world, odc=odc_on, device=str(device), deepspeed_version=deepspeed.__version__)
         out = {"config": config, "steps": [r.as_dict() for r in records], "summary": summary}
         if profile:
             out["profile_rank0"] = profile
-            print(f"profile of step {args.profile_step} (rank 0): wall {profile['wall_s']:.2f}s, device busy "
-                  f"{profile['device_busy_s']:.2f}s, device idle {profile['device_idle_s']:.2f}s, host in ops "
-                  f"{profile['host_op_s']:.2f}s; per layer: device {profile['device_per_layer_s'] * 1e3:.1f} ms, "
-                  f"host {profile['host_per_layer_s'] * 1e3:.1f} ms; files in {args.profile_dir}/", flush=True)
+            print(f"profile of step {args.profile_step} (rank 0): {describe(profile)}; files in "
+                  f"{args.profile_dir}/", flush=True)
         if args.metrics_json:
             Path(args.metrics_json).write_text(json.dumps(out, indent=1))
         print(f"summary: loss {summary['final_loss']:.5f}  samples/s {summary['samples_per_s']:.3f}  "
@@ -255,6 +253,11 @@ def main(argv=None):
         if args.timeline:
             draw_timeline(records[-min(len(records), 4):], args.timeline)
     finish()
+
+
+def decoder_layers(model) -> list:
+    """The transformer blocks of an HF causal LM (``model.model.layers``), or none for other shapes."""
+    return list(getattr(getattr(model, "model", None), "layers", ()))
 
 
 def draw_timeline(records, path: str) -> None:

@@ -2,17 +2,21 @@
 
 import torch
 
-from ds_odc.profiling import profile_step
+from ds_odc.profiling import describe, profile_step
 
 
 def test_profile_step_reports_and_writes(tmp_path):
     model = torch.nn.Sequential(torch.nn.Linear(64, 64), torch.nn.ReLU(), torch.nn.Linear(64, 1))
-    with profile_step(tmp_path, rank=0, num_layers=2) as summary:
+    with profile_step(tmp_path, rank=0, layers=[model[0], model[2]]) as summary:
         for _ in range(5):
             model(torch.randn(32, 64)).sum().backward()
     assert summary["wall_s"] > 0 and 0 < summary["host_op_s"] <= summary["wall_s"] * 1.5
-    assert summary["host_per_layer_s"] == summary["host_op_s"] / 2
     assert summary["device_idle_s"] <= summary["wall_s"]
+    assert summary["layer_forward_calls"] == 10
+    assert 0 < summary["layer_forward_host_ms"] * 10 / 1e3 <= summary["wall_s"]
+    assert "layer forward (10 calls)" in describe(summary)
     text = (tmp_path / "profile_rank0.txt").read_text()
     assert "aten::addmm" in text or "aten::mm" in text
     assert (tmp_path / "trace_rank0.json").stat().st_size > 0
+    model(torch.randn(2, 64))  # the layer hooks are gone afterwards
+    assert not model[0]._forward_pre_hooks and not model[0]._forward_hooks
