@@ -38,12 +38,20 @@ def patch() -> None:
     _import_deepspeed_quietly()
     from ds_odc.config import OdcZeroConfig
     from ds_odc.zero import _deepspeed_privates as privates
+    from ds_odc.zero.blocks import fetch_by_block
     from ds_odc.zero.optimizer import OdcOptimizer
     from ds_odc.zero.validate import validate_engine
 
+    def prepare_engine(engine, optimizer) -> bool:
+        if not validate_engine(engine, optimizer):
+            return False
+        zero_config = engine._config.zero_config
+        fetch_by_block(engine.module, zero_config, zero_config.odc.fetch_unit)
+        return True
+
     privates.check_deepspeed()
     privates.install_config_model(OdcZeroConfig)
-    privates.install_optimizer_hook(OdcOptimizer, validate_engine)
+    privates.install_optimizer_hook(OdcOptimizer, prepare_engine)
     _patched = True
 
 

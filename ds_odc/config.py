@@ -14,7 +14,7 @@ from typing import Any, Literal
 
 from deepspeed.runtime.config_utils import DeepSpeedConfigModel
 from deepspeed.runtime.zero.config import DeepSpeedZeroConfig
-from pydantic import Field, field_validator
+from pydantic import Field, field_validator, model_validator
 
 
 class OdcConfig(DeepSpeedConfigModel):
@@ -31,6 +31,12 @@ class OdcConfig(DeepSpeedConfigModel):
     """How long a rank waits at the optimizer-step fence for the others. A rank that has not arrived by then (or
     has died) turns into an error on every other rank that names it, instead of a hang."""
 
+    fetch_unit: Literal["block", "module"] = "block"
+    """``block``: DeepSpeed's hooks run once per transformer block, which reads all of its parameters at once (the
+    blocks are the model's ``_no_split_modules`` classes, what FSDP wraps by). ``module``: once per submodule, as
+    stock ZeRO-3 does, which costs host time per linear layer. Ignored when the config sets DeepSpeed's own
+    ``zero_optimization.leaf_module``."""
+
     force_remote_path: bool = False
     """GPU only: never use NVLink peer pointers, only NVSHMEM get/put/signal (the path a multi-node job takes). For
     testing that path on one host."""
@@ -40,6 +46,14 @@ class OdcZeroConfig(DeepSpeedZeroConfig):
     """DeepSpeed's ZeRO config plus the ``odc`` key. Installed in place of ``DeepSpeedZeroConfig`` by ``ds_odc.patch()``."""
 
     odc: OdcConfig = Field(default_factory=lambda: OdcConfig(enabled=False))
+
+    @model_validator(mode="after")
+    def _odc_defaults(self):
+        # DeepSpeed's memory_efficient_linear swaps F.linear for a Python autograd function (host time on every linear
+        # backward) whose point is re-gathering weights the hooks released; ODC's block fetch keeps them gathered.
+        if self.odc.enabled and "memory_efficient_linear" not in self.model_fields_set:
+            self.memory_efficient_linear = False
+        return self
 
     @field_validator("odc", mode="before")
     @classmethod

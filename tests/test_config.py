@@ -30,6 +30,15 @@ def test_bad_odc_values_are_errors(bad):
     assert "odc" in str(err.value)
 
 
+def test_odc_defaults_to_plain_linear_and_block_fetch_unless_told_otherwise():
+    odc = get_zero_config({"zero_optimization": {"stage": 3, "odc": True}})
+    assert odc.memory_efficient_linear is False and odc.odc.fetch_unit == "block"
+    assert get_zero_config({"zero_optimization": {"stage": 3}}).memory_efficient_linear is True
+    chosen = get_zero_config({"zero_optimization": {"stage": 3, "memory_efficient_linear": True,
+                                                    "odc": {"fetch_unit": "module"}}})
+    assert chosen.memory_efficient_linear is True and chosen.odc.fetch_unit == "module"
+
+
 def test_other_zero_keys_still_strict():
     with pytest.raises(pydantic.ValidationError):
         get_zero_config({"zero_optimization": {"stage": 3, "odc": True, "no_such_key": 1}})

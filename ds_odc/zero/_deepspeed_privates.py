@@ -52,7 +52,7 @@ def install_config_model(config_cls) -> None:
     zero_config_module.DeepSpeedZeroConfig = config_cls
 
 
-def install_optimizer_hook(optimizer_cls, validate) -> None:
+def install_optimizer_hook(optimizer_cls, prepare) -> None:
     """Why: the engine imports ``DeepSpeedZeroOptimizer_Stage3`` by name at call time, so rebinding that name, only
     while an ODC engine builds its optimizer, swaps in our subclass without leaking into other engines."""
     from deepspeed.runtime import engine as engine_module
@@ -67,7 +67,7 @@ def install_optimizer_hook(optimizer_cls, validate) -> None:
         odc = getattr(engine._config.zero_config, "odc", None)
         if odc is None or not odc.enabled:
             return original(engine, optimizer)
-        if not validate(engine, optimizer):
+        if not prepare(engine, optimizer):  # validates, and returns False when ODC has nothing to do
             return original(engine, optimizer)
         stock = stage3.DeepSpeedZeroOptimizer_Stage3
         stage3.DeepSpeedZeroOptimizer_Stage3 = optimizer_cls

@@ -104,15 +104,28 @@ def scenario_uneven(args):
     counts = [int(c) for c in args.counts.split(",")]
     assert len(counts) == world, f"--counts needs {world} entries"
     model = tiny_llama(frozen_embeddings=args.frozen)
+    initial = full_params(model)
     ref_model, ref_losses = reference_run(model, args.steps, sum(counts), clip=args.clip)
-    extra = {"stage3_param_persistence_threshold": args.persist} if args.persist else None
-    engine = build(model, ds_config(True, clip=args.clip, managed=args.managed, optimizer="sgd", extra_zero=extra))
+    if args.checkpointing:
+        model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+    extra = {"stage3_param_persistence_threshold": args.persist} if args.persist else {}
+    if args.linear is not None:
+        extra["memory_efficient_linear"] = args.linear == "deepspeed"
+    odc = {"enabled": True, "fetch_unit": args.fetch_unit}
+    engine = build(model, ds_config(odc, clip=args.clip, managed=args.managed, optimizer="sgd", extra_zero=extra))
     persistent = len(engine.optimizer.persistent_parameters)
+    transport, reads = engine.optimizer.odc_transport, []
+    gather = transport.gather
+    transport.gather = lambda *a, **k: reads.append(len(a[1])) or gather(*a, **k)
+    coordinator, fetches = engine.optimizer.parameter_offload.get_param_coordinator(), []
+    fetch = coordinator.fetch_sub_module
+    coordinator.fetch_sub_module = lambda module, **k: fetches.append(module) or fetch(module, **k)
     train_uneven(engine, counts, args.steps, managed=args.managed)
     odc = full_params(engine)
     if rank == 0:
         emit({"max_rel_diff": max_rel_diff(odc, full_params(ref_model)), "ref_losses": ref_losses,
-              "persistent_params": persistent,
+              "moved": max_rel_diff(odc, initial),
+              "persistent_params": persistent, "reads": len(reads), "params_read": sum(reads), "module_fetches": len(fetches),
               "optimizer": type(engine.optimizer).__name__, "grad_norm": float(engine.get_global_grad_norm())})
 
 
@@ -250,6 +263,9 @@ def main():
     parser.add_argument("--timeout", type=float, default=10.0)
     parser.add_argument("--kill", action="store_true")
     parser.add_argument("--bf16", action="store_true")
+    parser.add_argument("--fetch-unit", default="block")
+    parser.add_argument("--checkpointing", action="store_true", help="activation checkpointing (non-reentrant)")
+    parser.add_argument("--linear", choices=["deepspeed", "torch"], help="memory_efficient_linear true / false")
     parser.add_argument("--persist", type=int, default=0, help="stage3_param_persistence_threshold")
     parser.add_argument("--local_rank", type=int, default=None)  # the deepspeed launcher passes it
     args = parser.parse_args()

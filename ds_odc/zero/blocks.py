@@ -1,0 +1,59 @@
+"""Fetch unit: one transformer block per fetch, so that ZeRO-3's per-module host work runs once per block.
+
+Stock ZeRO-3 hooks every submodule: each linear layer costs a fetch, a release and their bookkeeping on the host,
+several times per microbatch (forward, recompute, backward). ODC's reads are one-sided, so nothing is gained by
+fetching finer than the block the model runs anyway; DeepSpeed's "leaf module" flag (public:
+``deepspeed.utils.set_z3_leaf_module``) makes it hook the block and fetch all of its parameters in one call.
+"""
+
+from __future__ import annotations
+
+import torch
+from deepspeed.runtime.zero.leaf_module_config import (DEFAULT_LEAF_MODULE_CLASSES, DEFAULT_LEAF_MODULE_NAMES,
+                                                       DEFAULT_LEAF_MODULE_NAME_SUFFIXES)
+from deepspeed.utils import logger, set_z3_leaf_module, z3_leaf_module
+
+
+def _user_chose_leaves(zero_config) -> bool:
+    leaf = getattr(zero_config, "leaf_module", None)
+    return leaf is not None and (leaf.classes != DEFAULT_LEAF_MODULE_CLASSES or leaf.names != DEFAULT_LEAF_MODULE_NAMES
+                                 or leaf.name_suffixes != DEFAULT_LEAF_MODULE_NAME_SUFFIXES)
+
+
+def block_classes(model: torch.nn.Module) -> set[str]:
+    """Class names of the model's transformer blocks: Hugging Face models list them in ``_no_split_modules``."""
+    names: set[str] = set()
+    for module in model.modules():
+        names.update(getattr(module, "_no_split_modules", None) or ())
+    return names
+
+
+def _input_requires_grad(block: torch.nn.Module, args: tuple):
+    """A block whose input needs no gradient (the first one, under a frozen embedding) would get its backward hooks
+    called before its backward ran, so its parameters would be released too early; give it a leaf input that does.
+    Only the hidden states (the first argument): a float attention mask requiring grad would cost an L x L gradient."""
+    if not (block.training and torch.is_grad_enabled() and args):
+        return None
+    hidden = args[0]
+    if isinstance(hidden, torch.Tensor) and hidden.is_floating_point() and not hidden.requires_grad:
+        return (hidden.detach().requires_grad_(), *args[1:])
+    return None
+
+
+def fetch_by_block(model: torch.nn.Module, zero_config, fetch_unit: str) -> list[torch.nn.Module]:
+    """Flag the model's blocks as ZeRO-3 leaf modules (before the optimizer installs its hooks); returns them."""
+    if fetch_unit != "block" or _user_chose_leaves(zero_config):
+        return []
+    classes = block_classes(model)
+    blocks = [m for m in model.modules() if type(m).__name__ in classes and not z3_leaf_module(m)]
+    if not blocks:
+        logger.info("ds_odc: the model names no transformer blocks (_no_split_modules); fetching per module")
+        return []
+    # A block inside a block would never be hooked; keep the outermost.
+    inner = {id(sub) for b in blocks for sub in b.modules() if sub is not b}
+    blocks = [b for b in blocks if id(b) not in inner]
+    for block in blocks:
+        set_z3_leaf_module(block, True)
+        block.register_forward_pre_hook(_input_requires_grad, prepend=True)
+    logger.info(f"ds_odc: fetching parameters per block: {len(blocks)} x {sorted({type(b).__name__ for b in blocks})}")
+    return blocks
