@@ -7,7 +7,8 @@ Workloads (the lengths of shared/design/baselines.md: 8 samples per minibatch, 4
                    sample per microbatch
   longtail-packed  the same lengths; lb-micro and lb-mini pack samples into microbatches of up to 64k tokens
   equal            every sample 8192 tokens (the no-regression check)
-Modes: stock+local-sort, stock+lb-micro, odc+lb-micro, odc+lb-mini (ZeRO-3 via examples/sft.py) and fsdp2
+Modes: stock+local-sort, stock+lb-micro, stock-blocks+lb-micro (stock ZeRO-3 with the block fetch and plain linear
+that ODC defaults to), odc+lb-micro, odc+lb-mini (ZeRO-3 via examples/sft.py) and fsdp2
 (benchmarks/fsdp2_sft.py, local-sort). Each runs in its own torchrun launch; the table compares samples/s measured
 in this one call (ratios, not absolute times, are what carry over between machines).
 """
@@ -31,6 +32,8 @@ from ds_odc.balancer.presets import longtail_from_normals  # noqa: E402
 MODES = {
     "stock+local-sort": ("sft", "zero3_bf16.json", "local-sort"),
     "stock+lb-micro": ("sft", "zero3_bf16.json", "lb-micro"),
+    # stock ZeRO-3 given the two settings ODC defaults to (block fetch, plain linear): what a tuned stock run gets
+    "stock-blocks+lb-micro": ("sft", "zero3_bf16_blocks.json", "lb-micro"),
     "odc+lb-micro": ("sft", "zero3_odc_bf16.json", "lb-micro"),
     "odc+lb-mini": ("sft", "zero3_odc_bf16.json", "lb-mini"),
     "fsdp2": ("fsdp2", None, "local-sort"),
@@ -60,6 +63,8 @@ def run(mode: str, args, lengths: Path, out: Path) -> dict:
         cmd += ["--cost-coeffs", args.cost_coeffs]
     if config:
         cmd += ["--deepspeed", str(ROOT / "ds_configs" / config)]
+    if args.sdpa_backends:
+        cmd += ["--sdpa-backends", args.sdpa_backends]
     if args.profile:
         cmd += ["--profile-step", str(args.steps), "--profile-dir", str(out / f"profile-{args.model}-{mode}")]
     if args.workload == "longtail-packed" and balancer != "local-sort":
@@ -96,6 +101,7 @@ def main():
     p.add_argument("--budget-s", type=float, default=1e9, help="skip the remaining modes after this many seconds")
     p.add_argument("--cost", default="quadratic", choices=["tokens", "quadratic", "fitted"])
     p.add_argument("--cost-coeffs", help="A,B,C for --cost fitted (e.g. the per-microbatch overhead measured here)")
+    p.add_argument("--sdpa-backends", help="passed to every mode (examples/sft.py --sdpa-backends)")
     p.add_argument("--profile", action="store_true",
                    help="run one more minibatch under the torch profiler (not timed): host vs device time per layer")
     p.add_argument("--scale", type=float, default=1.0, help="scale all lengths (CPU smoke runs with --model tiny)")
@@ -124,11 +130,12 @@ def main():
     profiled = {m: r["profile"] for m, r in ok.items() if r.get("profile")}
     if profiled:
         print(f"\nprofile of one more minibatch (rank 0, not timed above; files in {out}/profile-*)")
-        print(f"{'mode':<18}{'wall s':>8}{'dev busy':>9}{'dev idle':>9}{'layer fwds':>11}{'host ms':>9}{'dev ms':>8}")
+        print(f"{'mode':<18}{'wall s':>8}{'dev busy':>9}{'dev idle':>9}   per layer forward: {'calls':>6}"
+              f"{'host ms':>9}{'dev busy ms':>12}{'dev span ms':>12}")
         for mode, p in profiled.items():
-            print(f"{mode:<18}{p['wall_s']:>8.2f}{p['device_busy_s']:>9.2f}{p['device_idle_s']:>9.2f}"
-                  f"{p.get('layer_forward_calls', 0):>11}{p.get('layer_forward_host_ms', 0):>9.2f}"
-                  f"{p.get('layer_forward_device_ms', 0):>8.2f}")
+            print(f"{mode:<18}{p['wall_s']:>8.2f}{p['device_busy_s']:>9.2f}{p['device_idle_s']:>9.2f}{'':>22}"
+                  f"{p.get('layer_forward_calls', 0):>6}{p.get('layer_forward_host_ms', 0):>9.2f}"
+                  f"{p.get('layer_forward_device_ms', 0):>12.2f}{p.get('layer_forward_device_span_ms', 0):>12.2f}")
     (out / f"{args.model}-{args.workload}.json").write_text(json.dumps(results, indent=1))
 
 

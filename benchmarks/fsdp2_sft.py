@@ -20,7 +20,8 @@ import torch
 import torch.distributed as dist
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "examples"))
-from sft import MODEL_PRESETS, cost_model, decoder_layers, load_lengths, parse_args, sample_tokens  # noqa: E402
+from sft import (MODEL_PRESETS, configure_sdpa, cost_model, decoder_layers, load_lengths, parse_args,  # noqa: E402
+                 sample_tokens)
 
 from ds_odc.balancer.collate import PackedCollator  # noqa: E402
 from ds_odc.balancer.sampler import BalancedBatchSampler  # noqa: E402
@@ -31,6 +32,7 @@ from ds_odc.profiling import describe, profile_step  # noqa: E402
 
 def main():
     args = parse_args([a for a in sys.argv[1:]] + (["--deepspeed", "none"] if "--deepspeed" not in sys.argv else []))
+    configure_sdpa(args.sdpa_backends)
     if args.balancer == "lb-mini":
         sys.exit("FSDP2 runs collectives every microbatch: use --balancer local-sort or lb-micro")
     from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
@@ -72,7 +74,7 @@ def main():
         profiling = (profile_step(args.profile_dir, rank, decoder_layers(model))
                      if step == args.profile_step else contextlib.nullcontext())
         clock.start()
-        loss_share, tokens = 0.0, 0
+        loss_share, tokens, sq_tokens = 0.0, 0, 0
         with profiling as profiled:
             for mb in batch.microbatches:
                 samples = [{"input_ids": token_ids[j] if token_ids else sample_tokens(j, int(lengths[j]),
@@ -80,6 +82,7 @@ def main():
                            for j in mb]
                 row = {k: t.to(device) for k, t in collate(samples).items()}
                 tokens += row["input_ids"].numel()
+                sq_tokens += sum(len(s["input_ids"]) ** 2 for s in samples)
                 logits = model(input_ids=row["input_ids"], position_ids=row["position_ids"]).logits
                 loss = token_loss_sum(logits, row["labels"]) * weight
                 del logits
@@ -92,7 +95,8 @@ def main():
             profile = profiled
         clock.compute_done()
         busy, step_time = clock.finish(0.0)
-        records.append(gather_step(loss_share, busy, step_time, len(batch.microbatches), tokens, batch.num_samples))
+        records.append(gather_step(loss_share, busy, step_time, len(batch.microbatches), tokens, batch.num_samples,
+                                   sq_tokens=sq_tokens))
     if rank == 0:
         summary = summarize(records, args.warmup_steps, world, untimed=[args.profile_step])
         total = summary["time_s"]

@@ -29,6 +29,7 @@ class RankStep:
     wait_s: float
     microbatches: int
     tokens: int
+    sq_tokens: int = 0  # sum over this rank's samples of length^2 (attention's share of the cost; for the cost fit)
 
 
 @dataclass
@@ -65,11 +66,11 @@ class StepClock:
 
 
 def gather_step(loss_sum: float, busy_s: float, step_time_s: float, microbatches: int, tokens: int,
-                num_samples: int, group=None) -> StepRecord:
+                num_samples: int, group=None, sq_tokens: int = 0) -> StepRecord:
     """Collect every rank's numbers (one small collective) and derive the step's record. ``loss_sum`` is this
     rank's share of the global mean loss (the shares add up to it)."""
     import torch.distributed as dist
-    mine = [loss_sum, busy_s, step_time_s, float(microbatches), float(tokens)]
+    mine = [loss_sum, busy_s, step_time_s, float(microbatches), float(tokens), float(sq_tokens)]
     world = dist.get_world_size(group)
     rows = [None] * world
     dist.all_gather_object(rows, mine, group=group)
@@ -84,7 +85,7 @@ def gather_step(loss_sum: float, busy_s: float, step_time_s: float, microbatches
         bubble_rate=1.0 - sum(busy) / (world * step_time),
         step_time_s=step_time,
         peak_mem_bytes=int(peak),
-        per_rank=[RankStep(b, step_time - b, int(r[3]), int(r[4])) for b, r in zip(busy, rows)],
+        per_rank=[RankStep(b, step_time - b, int(r[3]), int(r[4]), int(r[5])) for b, r in zip(busy, rows)],
     )
 
 

@@ -13,6 +13,7 @@ Chrome trace per rank.
 from __future__ import annotations
 
 import contextlib
+import json
 import time
 from pathlib import Path
 from typing import Sequence
@@ -25,19 +26,26 @@ LAYER_RANGE = "ds_odc.layer_forward"
 
 
 @contextlib.contextmanager
-def _layer_ranges(layers: Sequence[torch.nn.Module]):
-    """One profiler range around each layer call, outermost of all the layer's hooks."""
+def _layer_ranges(layers: Sequence[torch.nn.Module], host_seconds: list[float]):
+    """One profiler range around each layer call, outermost of all the layer's hooks; appends each call's host time.
+
+    Host time is taken here, per thread (recomputation under activation checkpointing runs on autograd's thread),
+    not from the profiler: a range that ends on another thread than it began is not closed in its trace."""
+    import threading
+
     from torch.autograd.profiler import record_function
 
-    open_ranges: list = []
+    local = threading.local()
 
     def enter(module, args):
         scope = record_function(LAYER_RANGE)
         scope.__enter__()
-        open_ranges.append(scope)
+        local.__dict__.setdefault("stack", []).append((scope, time.perf_counter()))
 
     def leave(module, args, output):
-        open_ranges.pop().__exit__(None, None, None)
+        scope, started = local.stack.pop()
+        host_seconds.append(time.perf_counter() - started)
+        scope.__exit__(None, None, None)
 
     handles = []
     for layer in layers:
@@ -60,28 +68,59 @@ def profile_step(out_dir: str | Path, rank: int, layers: Sequence[torch.nn.Modul
     cuda = torch.cuda.is_available()
     activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if cuda else [])
     summary: dict = {}
+    layer_host: list[float] = []
     device_sync()
-    with profile(activities=activities, record_shapes=False) as prof, _layer_ranges(layers):
+    with profile(activities=activities, record_shapes=False) as prof, _layer_ranges(layers, layer_host):
         started = time.perf_counter()
         yield summary
         device_sync()
         wall = time.perf_counter() - started
     events = prof.key_averages()
-    host = sum(e.self_cpu_time_total for e in events) / 1e6
-    device = sum(getattr(e, "self_device_time_total", 0.0) for e in events) / 1e6
-    summary.update(wall_s=wall, host_op_s=host, device_busy_s=device, device_idle_s=max(wall - device, 0.0))
-    ranges = [e for e in events if e.key == LAYER_RANGE]
-    if ranges:
-        calls = ranges[0].count
-        summary.update(layer_forward_calls=calls,
-                       layer_forward_host_ms=ranges[0].cpu_time_total / calls / 1e3,
-                       layer_forward_device_ms=getattr(ranges[0], "device_time_total", 0.0) / calls / 1e3)
+    trace = out / f"trace_rank{rank}.json"
+    prof.export_chrome_trace(str(trace))
+    timeline = _timeline(json.loads(trace.read_text()).get("traceEvents", []))
+    busy = timeline.pop("device_busy_s")
+    summary.update(wall_s=wall, host_op_s=sum(e.self_cpu_time_total for e in events) / 1e6, device_busy_s=busy,
+                   device_idle_s=max(wall - busy, 0.0), **timeline)
+    if layer_host:
+        summary.update(layer_forward_calls=len(layer_host),
+                       layer_forward_host_ms=sum(layer_host) / len(layer_host) * 1e3)
     sort_by = "self_cuda_time_total" if cuda else "self_cpu_time_total"
     (out / f"profile_rank{rank}.txt").write_text(
         f"{summary}\n\n"
         + events.table(sort_by="self_cpu_time_total", row_limit=top)
         + ("\n\n" + events.table(sort_by=sort_by, row_limit=top) if cuda else ""))
-    prof.export_chrome_trace(str(out / f"trace_rank{rank}.json"))
+
+
+_DEVICE_CATEGORIES = ("kernel", "gpu_memcpy", "gpu_memset")
+
+
+def _union(intervals: list[tuple[float, float]]) -> list[tuple[float, float]]:
+    merged: list[list[float]] = []
+    for start, end in sorted(intervals):
+        if merged and start <= merged[-1][1]:
+            merged[-1][1] = max(merged[-1][1], end)
+        else:
+            merged.append([start, end])
+    return [(a, b) for a, b in merged]
+
+
+def _covered(merged: list[tuple[float, float]], start: float, end: float) -> float:
+    return sum(max(0.0, min(b, end) - max(a, start)) for a, b in merged)
+
+
+def _timeline(trace_events: list) -> dict:
+    """From the Chrome trace (times in us): device busy time (kernels, copies, memsets on any stream, overlaps counted
+    once) and, per layer forward, the range's device span and the device's busy time inside it."""
+    events = [e for e in trace_events if isinstance(e, dict) and "dur" in e]
+    device = _union([(e["ts"], e["ts"] + e["dur"]) for e in events if e.get("cat") in _DEVICE_CATEGORIES])
+    result = {"device_busy_s": sum(b - a for a, b in device) / 1e6}
+    spans = [(e["ts"], e["ts"] + e["dur"]) for e in events
+             if e.get("cat") == "gpu_user_annotation" and e.get("name") == LAYER_RANGE]
+    if spans:
+        result.update(layer_forward_device_span_ms=sum(b - a for a, b in spans) / len(spans) / 1e3,
+                      layer_forward_device_ms=sum(_covered(device, a, b) for a, b in spans) / len(spans) / 1e3)
+    return result
 
 
 def describe(summary: dict) -> str:
@@ -90,5 +129,6 @@ def describe(summary: dict) -> str:
             f"{summary['device_idle_s']:.2f}s, host in ops {summary['host_op_s']:.2f}s")
     if "layer_forward_calls" in summary:
         text += (f"; layer forward ({summary['layer_forward_calls']} calls): host {summary['layer_forward_host_ms']:.2f}"
-                 f" ms, device {summary['layer_forward_device_ms']:.2f} ms per call")
+                 f" ms, device busy {summary.get('layer_forward_device_ms', 0.0):.2f} ms of a "
+                 f"{summary.get('layer_forward_device_span_ms', 0.0):.2f} ms span per call")
     return text

@@ -70,6 +70,9 @@ def parse_args(argv=None):
     p.add_argument("--no-shuffle", action="store_true", help="take samples in file order (benchmarks)")
     p.add_argument("--deepspeed", required=True, help="ds_config JSON")
     p.add_argument("--attn-implementation", default=None, help="default: sdpa on GPU, eager on CPU")
+    p.add_argument("--sdpa-backends", default=None,
+                   help="comma list of the sdpa kernels torch may pick from (flash, efficient, cudnn, math); default: "
+                        "all. cuDNN plans each new sequence length on the host, which variable lengths pay for")
     p.add_argument("--gradient-checkpointing", action="store_true")
     p.add_argument("--zero-init", action="store_true",
                    help="build the model partitioned with deepspeed.zero.Init (GPU; fails on CPU with torch 2.13)")
@@ -151,8 +154,23 @@ def build_model(args, ds_config: dict, device: torch.device):
     return model
 
 
+def configure_sdpa(backends: str | None) -> None:
+    """Restrict torch's scaled_dot_product_attention to the listed kernels (process-wide)."""
+    if not backends:
+        return
+    allowed = {b.strip() for b in backends.split(",") if b.strip()}
+    switches = {"flash": "enable_flash_sdp", "efficient": "enable_mem_efficient_sdp", "cudnn": "enable_cudnn_sdp",
+                "math": "enable_math_sdp"}
+    unknown = allowed - switches.keys()
+    if unknown:
+        sys.exit(f"--sdpa-backends: unknown {sorted(unknown)}; choose from {sorted(switches)}")
+    for name, switch in switches.items():
+        getattr(torch.backends.cuda, switch)(name in allowed)
+
+
 def main(argv=None):
     args = parse_args(argv)
+    configure_sdpa(args.sdpa_backends)
     import deepspeed
     import torch.distributed as dist
 
@@ -205,7 +223,7 @@ def main(argv=None):
         profiling = (profile_step(args.profile_dir, rank, decoder_layers(model))
                      if step == args.profile_step else contextlib.nullcontext())
         clock.start()
-        loss_share, tokens = 0.0, 0
+        loss_share, tokens, sq_tokens = 0.0, 0, 0
         k = len(batch.microbatches)
         with profiling as profiled:
             for i, mb in enumerate(batch.microbatches):
@@ -213,6 +231,7 @@ def main(argv=None):
                            for j in mb]
                 row = {key: t.to(device) for key, t in collate(samples).items()}
                 tokens += row["input_ids"].numel()
+                sq_tokens += sum(len(s["input_ids"]) ** 2 for s in samples)
                 engine.set_gradient_accumulation_boundary(i == k - 1)
                 logits = engine(input_ids=row["input_ids"], position_ids=row["position_ids"]).logits
                 loss = token_loss_sum(logits, row["labels"]) * weight
@@ -227,7 +246,7 @@ def main(argv=None):
             profile = profiled
         clock.compute_done()
         busy, step_time = clock.finish(getattr(engine.optimizer, "odc_wait_s", 0.0))
-        record = gather_step(loss_share, busy, step_time, k, tokens, batch.num_samples)
+        record = gather_step(loss_share, busy, step_time, k, tokens, batch.num_samples, sq_tokens=sq_tokens)
         records.append(record)
         if progress is not None:
             progress.set_postfix(loss=f"{record.loss:.4f}", samples_s=f"{record.samples_per_s:.2f}",

@@ -20,3 +20,16 @@ def test_profile_step_reports_and_writes(tmp_path):
     assert (tmp_path / "trace_rank0.json").stat().st_size > 0
     model(torch.randn(2, 64))  # the layer hooks are gone afterwards
     assert not model[0]._forward_pre_hooks and not model[0]._forward_hooks
+
+
+def test_timeline_counts_overlapping_device_work_once_and_splits_it_by_layer():
+    from ds_odc.profiling import LAYER_RANGE, _timeline
+    trace = [
+        {"cat": "kernel", "ts": 0, "dur": 100}, {"cat": "gpu_memcpy", "ts": 50, "dur": 100},  # overlap: 150 busy
+        {"cat": "kernel", "ts": 300, "dur": 50},
+        {"cat": "gpu_user_annotation", "name": LAYER_RANGE, "ts": 0, "dur": 400},
+        {"cat": "cpu_op", "name": "aten::mm", "ts": 0, "dur": 5}, {"ph": "M", "name": "process_name"},
+    ]
+    t = _timeline(trace)
+    assert abs(t["device_busy_s"] - 200e-6) < 1e-12
+    assert t["layer_forward_device_span_ms"] == 0.4 and abs(t["layer_forward_device_ms"] - 0.2) < 1e-12

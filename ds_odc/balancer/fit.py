@@ -1,0 +1,89 @@
+"""Fit the balancer's cost model to a measured run, so that plans count what really takes time on your machine.
+
+    python -m ds_odc.balancer.fit RUN.json [RUN.json ...] [--warmup-steps 1]
+
+Every rank-step of a ``--metrics-json`` file (``examples/sft.py``, ``benchmarks/fsdp2_sft.py``) records the rank's
+busy seconds, tokens, sum of squared sample lengths and microbatch count. A non-negative least-squares fit of
+
+    busy = a * tokens + b * sum(L^2) + c * microbatches + d
+
+(``d``: the per-step part every rank pays alike, such as the optimizer step) gives the per-sample cost
+``a*L + b*L^2 + c`` that ``--cost fitted --cost-coeffs a,b,c`` plans with, ``c`` being the fixed host and launch cost
+of a microbatch (one sample per microbatch). The fit needs rank-steps that differ in their mix of lengths and counts:
+several steps of an imbalanced workload, or runs of more than one planner.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from pathlib import Path
+from typing import Sequence
+
+import numpy as np
+
+COLUMNS = ("a (per token)", "b (per token^2)", "c (per microbatch)", "d (per step)")
+
+
+def rank_steps(metrics: dict, warmup_steps: int = 1) -> np.ndarray:
+    """[n, 5] rows (tokens, sum L^2, microbatches, 1, busy_s) of the timed steps of one metrics file (a profiled
+    step is not timed)."""
+    rows = []
+    profiled = (metrics.get("config") or {}).get("profile_step")
+    for i, step in enumerate(metrics["steps"]):
+        if i < warmup_steps or i == profiled:
+            continue
+        for r in step["per_rank"]:
+            if "sq_tokens" not in r:
+                raise ValueError("this metrics file has no sq_tokens per rank; re-run with a current examples/sft.py")
+            rows.append((r["tokens"], r["sq_tokens"], r["microbatches"], 1.0, r["busy_s"]))
+    return np.asarray(rows, dtype=np.float64).reshape(-1, 5)
+
+
+def fit(rows: np.ndarray) -> tuple[np.ndarray, float]:
+    """Non-negative coefficients (a, b, c, d) and the rms residual in seconds (small active-set NNLS)."""
+    X, y = rows[:, :4], rows[:, 4]
+    if len(rows) < 4:
+        raise ValueError(f"{len(rows)} rank-steps: need at least 4 to fit 4 coefficients")
+    scale = np.abs(X).max(axis=0)
+    scale[scale == 0] = 1.0
+    active = list(range(4))
+    coef = np.zeros(4)
+    while active:
+        sol, *_ = np.linalg.lstsq(X[:, active] / scale[active], y, rcond=None)
+        if (sol >= 0).all():
+            coef[:] = 0.0
+            coef[active] = sol / scale[active]
+            break
+        active.pop(int(np.argmin(sol)))  # drop the most negative term and refit
+    rms = float(np.sqrt(np.mean((X @ coef - y) ** 2)))
+    return coef, rms
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("metrics", nargs="+", help="--metrics-json files of runs on the same model and machine")
+    p.add_argument("--warmup-steps", type=int, default=1, help="leading steps of each file to leave out")
+    args = p.parse_args(argv)
+    try:
+        rows = np.concatenate([rank_steps(json.loads(Path(f).read_text()), args.warmup_steps) for f in args.metrics])
+        coef, rms = fit(rows)
+    except (ValueError, KeyError) as err:
+        print(f"ds_odc.balancer.fit: {err}", file=sys.stderr)
+        return 2
+    busy = rows[:, 4]
+    if np.unique(rows[:, 2]).size < 2:
+        print("warning: every rank-step ran the same number of microbatches, so c (per microbatch) and d (per step) "
+              "cannot be told apart; add a run whose ranks run different counts (e.g. --balancer lb-mini)",
+              file=sys.stderr)
+    for name, value in zip(COLUMNS, coef):
+        print(f"{name:<20} {value:.4g}")
+    print(f"rank-steps {len(rows)}, busy {busy.mean():.3f} s on average, rms residual {rms:.3f} s "
+          f"({rms / busy.mean():.1%})")
+    print(f"--cost fitted --cost-coeffs {coef[0]:.4g},{coef[1]:.4g},{coef[2]:.4g}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
