@@ -113,6 +113,7 @@ def full_params(engine_or_model) -> dict[str, torch.Tensor]:
 def max_rel_diff(a: dict, b: dict) -> float:
     worst = 0.0
     for name in a:
-        diff = (a[name] - b[name]).norm() / b[name].norm().clamp_min(1e-12)
+        other = b[name].to(a[name].device)  # a reference built on the CPU against parameters on a GPU
+        diff = (a[name] - other).norm() / other.norm().clamp_min(1e-12)
         worst = max(worst, float(diff))
     return worst
