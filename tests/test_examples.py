@@ -41,3 +41,28 @@ def test_lb_mini_without_odc_is_refused():
     proc = subprocess.run(cmd, env=cpu_env(), capture_output=True, text=True, timeout=120)
     assert proc.returncode != 0
     assert "only ODC can run" in proc.stdout + proc.stderr
+
+
+def test_e2e_benchmark_pipeline_on_cpu(tmp_path):
+    """benchmarks/e2e.py end to end at CPU scale (tiny model, lengths scaled by 0.01): a stock mode with the block
+    settings, ODC + LB-Mini and FSDP2 run, the table compares them, the profiled minibatch is reported and kept out
+    of the timing, and the metrics feed the cost fit."""
+    out = tmp_path / "e2e"
+    cmd = [sys.executable, str(ROOT / "benchmarks" / "e2e.py"), "--model", "tiny", "--workload", "longtail",
+           "--scale", "0.01", "--steps", "3", "--modes", "stock-blocks+lb-micro,odc+lb-mini,fsdp2", "--profile",
+           "--out", str(out), "--run-timeout", "240"]
+    proc = subprocess.run(cmd, env=cpu_env(), capture_output=True, text=True, timeout=800)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    assert "FAILED" not in proc.stdout, proc.stdout[-3000:]
+    table = proc.stdout[proc.stdout.index("tiny / longtail"):]
+    for mode in ("stock-blocks+lb-micro", "odc+lb-mini", "fsdp2"):
+        assert mode in table
+    assert "profile of one more minibatch" in table
+    odc = json.loads((out / "tiny-longtail-odc+lb-mini.json").read_text())
+    assert len(odc["steps"]) == 4 and odc["config"]["profile_step"] == 3
+    assert odc["profile_rank0"]["layer_forward_calls"] > 0
+    assert all(r["sq_tokens"] >= r["tokens"] for step in odc["steps"] for r in step["per_rank"])
+    fit = subprocess.run([sys.executable, "-m", "ds_odc.balancer.fit", str(out / "tiny-longtail-odc+lb-mini.json"),
+                          str(out / "tiny-longtail-fsdp2.json")], env=cpu_env(), capture_output=True, text=True,
+                         timeout=120)
+    assert fit.returncode == 0 and "--cost fitted --cost-coeffs" in fit.stdout, fit.stdout + fit.stderr
