@@ -2,11 +2,13 @@
 
     python benchmarks/e2e.py --model qwen2.5-1.5b --workload longtail --nproc 2 --out results/
 
-Workloads (the lengths of shared/design/baselines.md: 8 samples per minibatch, 4 per rank, 1 warm-up + 4 timed):
+Workloads (the lengths of shared/design/baselines.md: 4 samples per rank per minibatch, 1 warm-up + 4 timed):
   longtail         clamp(exp(ln 8000 + 0.8 N(0,1)), 1024, 32768) from torch.Generator().manual_seed(0), one
                    sample per microbatch
   longtail-packed  the same lengths; lb-micro and lb-mini pack samples into microbatches of up to 64k tokens
   equal            every sample 8192 tokens (the no-regression check)
+  long-sft         the balancer's long-context preset (8k floor, median ~16k, up to 64k), one sample per microbatch
+At other rank counts (--nproc) every workload keeps 4 samples per rank per minibatch.
 Modes: stock+local-sort, stock+lb-micro, stock-blocks+lb-micro (stock ZeRO-3 with the block fetch and plain linear
 that ODC defaults to), odc+lb-micro, odc+lb-mini (ZeRO-3 via examples/sft.py) and fsdp2
 (benchmarks/fsdp2_sft.py, local-sort). Each runs in its own torchrun launch; the table compares samples/s measured
@@ -27,7 +29,7 @@ import torch
 
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
-from ds_odc.balancer.presets import longtail_from_normals  # noqa: E402
+from ds_odc.balancer.presets import get_preset, longtail_from_normals  # noqa: E402
 
 MODES = {
     "stock+local-sort": ("sft", "zero3_bf16.json", "local-sort"),
@@ -40,12 +42,18 @@ MODES = {
 }
 
 
-def write_lengths(workload: str, minibatches: int, path: Path, scale: float = 1.0) -> None:
+def write_lengths(workload: str, minibatches: int, path: Path, scale: float = 1.0, nproc: int = 2) -> None:
+    """4 samples per rank per minibatch. longtail draws them in order from one generator, so at 2 ranks these are
+    exactly baselines.md's lengths."""
+    per_minibatch = 4 * nproc
     if workload == "equal":
-        lengths = [8192] * (8 * minibatches)
+        lengths = [8192] * (per_minibatch * minibatches)
+    elif workload == "long-sft":
+        lengths = [int(x) for x in get_preset("long-sft").sample(per_minibatch * minibatches, 0)]
     else:
         g = torch.Generator().manual_seed(0)
-        lengths = [int(x) for _ in range(minibatches) for x in longtail_from_normals(torch.randn(8, generator=g).numpy())]
+        lengths = [int(x) for _ in range(minibatches)
+                   for x in longtail_from_normals(torch.randn(per_minibatch, generator=g).numpy())]
     lengths = [max(2, round(n * scale)) for n in lengths]
     path.write_text("\n".join(map(str, lengths)) + "\n")
 
@@ -92,7 +100,7 @@ def run(mode: str, args, lengths: Path, out: Path) -> dict:
 def main():
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--model", default="qwen2.5-1.5b")
-    p.add_argument("--workload", default="longtail", choices=["longtail", "longtail-packed", "equal"])
+    p.add_argument("--workload", default="longtail", choices=["longtail", "longtail-packed", "equal", "long-sft"])
     p.add_argument("--modes", default=",".join(MODES))
     p.add_argument("--nproc", type=int, default=2)
     p.add_argument("--steps", type=int, default=5)
@@ -109,7 +117,7 @@ def main():
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
     lengths = out / f"lengths-{args.workload}.txt"
-    write_lengths(args.workload, args.steps + args.profile, lengths, args.scale)
+    write_lengths(args.workload, args.steps + args.profile, lengths, args.scale, args.nproc)
     print(f"# {args.model} / {args.workload} on {args.nproc} ranks: {' '.join(sys.argv)}", flush=True)
     started, results = time.monotonic(), {}
     for mode in args.modes.split(","):

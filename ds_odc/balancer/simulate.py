@@ -106,8 +106,13 @@ def simulate(
     planners: Iterable[str] = PLANNERS,
     keep_steps: bool = False,
     microbatch_overhead: float = 0.0,
+    in_order: bool = False,
 ) -> dict:
-    """Run ``steps`` minibatches; ``source`` is a preset name or a pool of lengths.  Returns the JSON summary."""
+    """Run ``steps`` minibatches; ``source`` is a preset name or a pool of lengths.  Returns the JSON summary.
+
+    ``in_order``: minibatch k is the pool's k-th run of ``ranks * minibatch_size`` lengths, as a sampler without
+    shuffling sees a lengths file (to predict a measured run); at most ``len(pool) // (ranks * minibatch_size)``
+    steps."""
     planners = list(planners)
     cm = get_cost_model(cost)
     pool = source if isinstance(source, str) else np.asarray(source, dtype=np.int64)
@@ -118,8 +123,13 @@ def simulate(
     trunc = {p: 0 for p in planners}
     bound_time, dominant = 0.0, 0
     history = []
-    for _ in range(steps):
-        lengths = _draw(pool, ranks * minibatch_size, rng)
+    per_step = ranks * minibatch_size
+    if in_order:
+        if isinstance(pool, str) or len(pool) < per_step:
+            raise ValueError(f"in-order simulation needs a lengths file of at least {per_step} lengths")
+        steps = min(steps, len(pool) // per_step)
+    for step in range(steps):
+        lengths = pool[step * per_step:(step + 1) * per_step] if in_order else _draw(pool, per_step, rng)
         res = simulate_step(lengths, ranks, max_tokens, cm, planners, oversize, microbatch_overhead)
         eff = lengths if max_tokens is None or oversize != "truncate" else np.minimum(lengths, max_tokens)
         c = cm(eff)
@@ -214,6 +224,9 @@ def main(argv: Sequence[str] | None = None) -> int:
     ap.add_argument("--microbatch-overhead", type=float, default=0.0,
                     help="fixed cost of every microbatch, in cost units, unknown to the planners (default 0)")
     ap.add_argument("--steps", type=int, default=20)
+    ap.add_argument("--in-order", action="store_true",
+                    help="with --lengths: consecutive minibatches of the file in order, as a run with --no-shuffle "
+                         "(benchmarks/e2e.py) sees them, instead of random draws")
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--oversize", default="truncate", choices=["error", "truncate", "skip"],
                     help="samples longer than --max-tokens (default truncate; counted in the output)")
@@ -233,7 +246,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         summary = simulate(source, ranks=args.ranks, minibatch_size=args.minibatch_size,
                            max_tokens=args.max_tokens or None, cost=cost, steps=args.steps, seed=args.seed,
                            oversize=args.oversize, keep_steps=bool(args.plot),
-                           microbatch_overhead=args.microbatch_overhead)
+                           microbatch_overhead=args.microbatch_overhead, in_order=args.in_order)
     except ValueError as e:
         print(f"error: {e}", file=sys.stderr)
         return 2

@@ -127,3 +127,21 @@ def test_cli_fitted_cost_and_no_packing(capsys):
                  "--cost", "fitted", "--cost-coeffs", "0,1.17e-9,0.83", "--steps", "5", "--json"]) == 0
     out = json.loads(capsys.readouterr().out)
     assert out["lb-mini"]["microbatches_per_rank_max"] <= 5  # the intercept keeps counts near 4
+
+
+def test_in_order_takes_the_file_minibatch_by_minibatch():
+    """--in-order predicts a measured run: minibatch k is the k-th run of R*M lengths, so swapping two lengths
+    between minibatches changes the prediction, and the step count stops at the end of the file."""
+    lengths = [1000, 1000, 1000, 8000, 2000, 2000, 2000, 2000]
+    same = simulate(lengths, ranks=2, minibatch_size=2, max_tokens=None, steps=10, in_order=True)
+    swapped = simulate(lengths[4:] + lengths[:4], ranks=2, minibatch_size=2, max_tokens=None, steps=10,
+                       in_order=True)
+    assert same["lb-mini"]["step_time"] == swapped["lb-mini"]["step_time"]  # same minibatches, other order
+    # two 8k samples in one minibatch balance (8k+1k each); one per minibatch cannot (8k vs 3k), by tokens
+    together = simulate([8000, 8000, 1000, 1000] + [1000] * 4, ranks=2, minibatch_size=2, max_tokens=None,
+                        steps=10, in_order=True)
+    apart = simulate([8000, 1000, 1000, 1000] * 2, ranks=2, minibatch_size=2, max_tokens=None, steps=10,
+                     in_order=True)
+    assert together["lb-mini"]["step_time"] == (9000 + 2000) / 2 and apart["lb-mini"]["step_time"] == 8000
+    with pytest.raises(ValueError, match="at least 4"):
+        simulate([1000, 2000], ranks=2, minibatch_size=2, max_tokens=None, in_order=True)
