@@ -28,15 +28,21 @@ def block_classes(model: torch.nn.Module) -> set[str]:
     return names
 
 
-def _input_requires_grad(block: torch.nn.Module, args: tuple):
+def _input_requires_grad(block: torch.nn.Module, args: tuple, kwargs: dict):
     """A block whose input needs no gradient (the first one, under a frozen embedding) would get its backward hooks
     called before its backward ran, so its parameters would be released too early; give it a leaf input that does.
-    Only the hidden states (the first argument): a float attention mask requiring grad would cost an L x L gradient."""
-    if not (block.training and torch.is_grad_enabled() and args):
+    Only the hidden states (first argument, or ``hidden_states=``): a float attention mask requiring grad would cost
+    an L x L gradient."""
+    if not (block.training and torch.is_grad_enabled()):
         return None
-    hidden = args[0]
-    if isinstance(hidden, torch.Tensor) and hidden.is_floating_point() and not hidden.requires_grad:
-        return (hidden.detach().requires_grad_(), *args[1:])
+    if args:
+        hidden = args[0]
+        if isinstance(hidden, torch.Tensor) and hidden.is_floating_point() and not hidden.requires_grad:
+            return (hidden.detach().requires_grad_(), *args[1:]), kwargs
+    else:
+        hidden = kwargs.get("hidden_states")
+        if isinstance(hidden, torch.Tensor) and hidden.is_floating_point() and not hidden.requires_grad:
+            return args, {**kwargs, "hidden_states": hidden.detach().requires_grad_()}
     return None
 
 
@@ -54,6 +60,6 @@ def fetch_by_block(model: torch.nn.Module, zero_config, fetch_unit: str) -> list
     blocks = [b for b in blocks if id(b) not in inner]
     for block in blocks:
         set_z3_leaf_module(block, True)
-        block.register_forward_pre_hook(_input_requires_grad, prepend=True)
+        block.register_forward_pre_hook(_input_requires_grad, prepend=True, with_kwargs=True)
     logger.info(f"ds_odc: fetching parameters per block: {len(blocks)} x {sorted({type(b).__name__ for b in blocks})}")
     return blocks
