@@ -9,15 +9,13 @@ fetching finer than the block the model runs anyway; DeepSpeed's "leaf module" f
 from __future__ import annotations
 
 import torch
-from deepspeed.runtime.zero.leaf_module_config import (DEFAULT_LEAF_MODULE_CLASSES, DEFAULT_LEAF_MODULE_NAMES,
-                                                       DEFAULT_LEAF_MODULE_NAME_SUFFIXES)
 from deepspeed.utils import logger, set_z3_leaf_module, z3_leaf_module
 
 
 def _user_chose_leaves(zero_config) -> bool:
+    """Whether the config sets DeepSpeed's ``leaf_module`` to anything but its defaults (which name MoE blocks)."""
     leaf = getattr(zero_config, "leaf_module", None)
-    return leaf is not None and (leaf.classes != DEFAULT_LEAF_MODULE_CLASSES or leaf.names != DEFAULT_LEAF_MODULE_NAMES
-                                 or leaf.name_suffixes != DEFAULT_LEAF_MODULE_NAME_SUFFIXES)
+    return leaf is not None and leaf != type(leaf)()
 
 
 def block_classes(model: torch.nn.Module) -> set[str]:
