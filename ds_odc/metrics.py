@@ -12,8 +12,8 @@ bubble is a lower bound (the simulator's collective model gives the compute-only
 from __future__ import annotations
 
 import time
-from typing import Iterable
 from dataclasses import asdict, dataclass, field
+from typing import Iterable
 
 import torch
 

@@ -3,11 +3,10 @@
 ZeRO-3's weak spot is the host: per-parameter hooks and many small communication calls can keep the GPU waiting.
 ``profile_step`` wraps one step and reports the wall time, the host time spent inside profiled ops, the GPU's busy
 time (sum of kernel and copy times) and its idle time (wall minus busy: the GPU waiting for the host or for peers).
-Given the decoder layers, it also times every layer forward (recomputations under activation checkpointing
-included) as a profiler range opened before any other forward pre-hook (so ZeRO's parameter fetch is inside) and
-closed after every post-hook (the release too): host time in the range against the device time of the work the
-range launched. A layer whose host time exceeds its device time keeps the GPU waiting. It writes the top ops and a
-Chrome trace per rank.
+Given the decoder layers, it also times every layer call from before its first forward pre-hook (so ZeRO's parameter
+fetch is inside) to after its last post-hook (the release too): host time, measured per thread, against the GPU
+span of that range and the GPU's busy time inside the span (from the trace). A layer whose host time reaches its GPU
+span keeps the GPU waiting. It writes the top ops and a Chrome trace per rank.
 """
 
 from __future__ import annotations
