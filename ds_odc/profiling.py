@@ -2,7 +2,7 @@
 
 ZeRO-3's weak spot is the host: per-parameter hooks and many small communication calls can keep the GPU waiting.
 ``profile_step`` wraps one step and reports the wall time, the host time spent inside profiled ops, the GPU's busy
-time (sum of kernel and copy times) and its idle time (wall minus busy: the GPU waiting for the host or for peers).
+time (union of kernel and copy intervals) and its idle time (wall minus busy: the GPU waiting for the host or for peers).
 Given the decoder layers, it also times every layer call from before its first forward pre-hook (so ZeRO's parameter
 fetch is inside) to after its last post-hook (the release too): host time, measured per thread, against the GPU
 span of that range and the GPU's busy time inside the span (from the trace). A layer whose host time reaches its GPU
