@@ -25,7 +25,7 @@ def scenario_stress(args, t: ShmTransport):
             n = world * seg.length - (3 if i == 3 else 0)
             values = torch.arange(n, dtype=torch.float32) % 17 + rank + rnd
             inputs.append(values.to(torch.bfloat16) if i == 1 else values)
-        t.scatter_accumulate(acc, segments, inputs)
+        t.scatter_accumulate(t.plan_scatter(acc, segments, [x.numel() for x in inputs]), inputs)
         for src in range(world):  # what every source pushed into *this* rank's slice
             for i, seg in enumerate(segments):
                 n = world * seg.length - (3 if i == 3 else 0)
@@ -52,9 +52,11 @@ def scenario_gather(args, t: ShmTransport):
         buf.local.copy_(torch.randn(300).to(dtype))
         t.barrier()
         segments = [Segment(0, 100), Segment(100, 13), Segment(113, 187)]
-        outputs = [torch.full((world * s.length,), float("nan"), dtype=dtype) for s in segments]
-        t.gather(buf, segments, outputs)
-        for seg, out in zip(segments, outputs):
+        plan = t.plan_gather(buf, segments)
+        flat = torch.full((plan.out_numel,), float("nan"), dtype=dtype)
+        t.gather(plan, flat)
+        for seg, offset in zip(segments, plan.out_offsets):
+            out = flat.narrow(0, offset, world * seg.length)
             parts = [torch.empty(seg.length, dtype=dtype) for _ in range(world)]
             dist.all_gather(parts, buf.local[seg.offset:seg.offset + seg.length].clone())
             ok.append(bool(torch.equal(out, torch.cat(parts))))
@@ -77,8 +79,8 @@ def scenario_one_sided(args, t: ShmTransport):
     else:
         start = time.monotonic()
         out = torch.empty(world * 64)
-        t.gather(params, [Segment(0, 64)], [out])
-        t.scatter_accumulate(acc, [Segment(0, 64)], [torch.ones(world * 64)])
+        t.gather(t.plan_gather(params, [Segment(0, 64)]), out)
+        t.scatter_accumulate(t.plan_scatter(acc, [Segment(0, 64)], [world * 64]), [torch.ones(world * 64)])
         done_before_wake = (time.monotonic() - start) < args.sleep / 2 and bool(out[:64].eq(1).all())
     t.fence([acc])
     flags = [None] * world

@@ -119,9 +119,9 @@ def scenario_uneven(args):
     odc = {"enabled": True, "fetch_unit": args.fetch_unit}
     engine = build(model, ds_config(odc, clip=args.clip, managed=args.managed, optimizer="sgd", extra_zero=extra))
     persistent = len(engine.optimizer.persistent_parameters)
-    transport, reads = engine.optimizer.odc_transport, []
+    transport, reads = engine.optimizer.odc.transport, []
     gather = transport.gather
-    transport.gather = lambda *a, **k: reads.append(len(a[1])) or gather(*a, **k)
+    transport.gather = lambda plan, out: reads.append(len(plan.segments)) or gather(plan, out)
     coordinator, fetches = engine.optimizer.parameter_offload.get_param_coordinator(), []
     fetch = coordinator.fetch_sub_module
     coordinator.fetch_sub_module = lambda module, **k: fetches.append(module) or fetch(module, **k)
@@ -208,7 +208,7 @@ def scenario_fence_timeout(args):
     rank, world = rank_world()
     engine = build(tiny_llama(), ds_config({"enabled": True, "timeout_s": args.timeout}, managed=False))
     if rank == 0:
-        emit({"tag": engine.optimizer.odc_transport.tag})
+        emit({"tag": engine.optimizer.odc.transport.tag})
 
     def stall(step):
         if rank == 1 and step == 1:
