@@ -69,10 +69,20 @@ def shutdown_and_exit(exit_code: int = 0) -> None:
 
     The exit skips C++ static destructors on purpose: after a successful run, gloo's threads sometimes abort the
     interpreter at exit ("terminate called without an active exception", SIGABRT; about 1 run in 10 on CPU),
-    which would make a finished job look failed. Output is flushed and the group is gone by then.
+    which would make a finished job look failed. Output is flushed and the group is gone by then. Under ``mpirun``
+    MPI is finalized first: that is what removes MPICH's ``/dev/shm/mpich_shm_*`` segment, and the hard exit skips
+    the ``atexit`` hook in which mpi4py would otherwise do it.
     """
     shutdown()
+    _finalize_mpi()
     faulthandler.cancel_dump_traceback_later()
     sys.stdout.flush()
     sys.stderr.flush()
     os._exit(exit_code)
+
+
+def _finalize_mpi() -> None:
+    """Finalize MPI if this process initialized it (DeepSpeed's MPI discovery imports mpi4py under ``mpirun``)."""
+    mpi = sys.modules.get("mpi4py.MPI")
+    if mpi is not None and mpi.Is_initialized() and not mpi.Is_finalized():
+        mpi.Finalize()
