@@ -1,5 +1,6 @@
 """The wheel is complete: installed (not editable) into a fresh venv, ds_odc's op builder finds every kernel source
-inside the installed package. Nothing is compiled (no nvcc needed) and nothing is downloaded."""
+inside the installed package, and the pydantic plugin that names the fix for a forgotten ``import ds_odc`` is
+registered. Nothing is compiled (no nvcc needed) and nothing is downloaded."""
 
 import json
 import os
@@ -24,6 +25,20 @@ print(json.dumps({"package": ds_odc.__file__, "sources": sources,
                   "problems": b.problems()}))
 """
 
+# DeepSpeed alone, ds_odc installed but not imported: the odc key is rejected with the hint, nothing else changes.
+FORGOTTEN_IMPORT = """
+import json, sys, traceback
+from deepspeed.runtime.zero.config import get_zero_config
+shown = {}
+for name, zero in [("odc", {"stage": 3, "odc": True}), ("typo", {"stage": 3, "stagee": 1})]:
+    try:
+        get_zero_config({"zero_optimization": zero})
+    except Exception as err:
+        shown[name] = {"type": type(err).__name__, "str": str(err), "traceback": "".join(traceback.format_exception(err))}
+shown["ds_odc_imported"] = any(m == "ds_odc" or m.startswith("ds_odc.") for m in sys.modules)
+print(json.dumps(shown))
+"""
+
 
 def _run(cmd, **kwargs):
     proc = subprocess.run([str(c) for c in cmd], capture_output=True, text=True, timeout=300, **kwargs)
@@ -37,8 +52,8 @@ def test_installed_wheel_finds_its_kernel_sources(tmp_path):
     src.mkdir()
     for name in ("pyproject.toml", "README.md"):
         shutil.copy(ROOT / name, src / name)
-    for name in ("ds_odc", "csrc"):
-        shutil.copytree(ROOT / name, src / name, symlinks=True, ignore=shutil.ignore_patterns("__pycache__"))
+    for package in [*ROOT.glob("ds_odc*/"), ROOT / "csrc"]:
+        shutil.copytree(package, src / package.name, symlinks=True, ignore=shutil.ignore_patterns("__pycache__"))
     _run([sys.executable, "-m", "pip", "wheel", "-q", "--no-deps", "--no-build-isolation", "-w", tmp_path / "dist",
           src])
     wheel, = (tmp_path / "dist").glob("ds_odc-*.whl")
@@ -59,3 +74,11 @@ def test_installed_wheel_finds_its_kernel_sources(tmp_path):
     assert report["sources"] and not report["missing"], report
     assert all(Path(s).is_relative_to(venv_site / "ds_odc" / "csrc") for s in report["sources"]), report["sources"]
     assert not [p for p in report["problems"] if "kernel sources" in p], report["problems"]
+
+    shown = json.loads(_run([python, "-c", FORGOTTEN_IMPORT], cwd=tmp_path, env=env).stdout.strip().splitlines()[-1])
+    assert not shown["ds_odc_imported"]
+    odc, typo = shown["odc"], shown["typo"]
+    assert odc["type"] == typo["type"] == "ValidationError"
+    assert "Extra inputs are not permitted" in odc["str"] and "import ds_odc" not in odc["str"]  # message unchanged
+    assert "add `import ds_odc`" in odc["traceback"], odc["traceback"]
+    assert "import ds_odc" not in typo["traceback"], typo["traceback"]
