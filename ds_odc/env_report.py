@@ -217,5 +217,7 @@ def render(color: bool = False) -> str:
 
 
 def main(argv: list[str] | None = None) -> int:
+    import ds_odc
+    ds_odc.patch()  # imports DeepSpeed with its start-up log on stderr, away from the report
     print(render(color=sys.stdout.isatty()))
     return 0
