@@ -16,9 +16,11 @@ from __future__ import annotations
 import faulthandler
 import os
 import sys
+import warnings
 from datetime import timedelta
 
 DEFAULT_CPU_TIMEOUT_S = 300.0
+TORCH_DEPRECATIONS_CALLED_BY_DEEPSPEED = ("all_gather_into_tensor", "reduce_scatter_tensor")
 
 
 def runs_on_cpu() -> bool:
@@ -36,8 +38,13 @@ def init_distributed(timeout_s: float | None = None) -> None:
 
     On CPU this skips DeepSpeed's build of its shared-memory communication op, a 40-65 s g++ compile on first use
     that only ``inference_all_reduce`` needs (never ZeRO training). On CUDA each rank selects the GPU named by
-    ``LOCAL_RANK`` first.
+    ``LOCAL_RANK`` first. Recent torch warns on every rank that ``all_gather_into_tensor`` and
+    ``reduce_scatter_tensor`` are deprecated; DeepSpeed makes those calls, not your script, so exactly these two
+    warnings are hidden.
     """
+    for name in TORCH_DEPRECATIONS_CALLED_BY_DEEPSPEED:
+        warnings.filterwarnings("ignore", message=rf"`torch\.distributed\.{name}` is deprecated",
+                                category=FutureWarning)
     import deepspeed
     import deepspeed.comm  # noqa: F401  (loads deepspeed.comm.torch, whose build hook is replaced below)
     import torch
