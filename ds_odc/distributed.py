@@ -38,7 +38,8 @@ def init_distributed(timeout_s: float | None = None) -> None:
 
     On CPU this skips DeepSpeed's build of its shared-memory communication op, a 40-65 s g++ compile on first use
     that only ``inference_all_reduce`` needs (never ZeRO training). On CUDA each rank selects the GPU named by
-    ``LOCAL_RANK`` first. Recent torch warns on every rank that ``all_gather_into_tensor`` and
+    ``LOCAL_RANK`` first. Under ``mpirun`` a ``MASTER_PORT`` in the environment is honoured (DeepSpeed alone uses
+    29500 for every job). Recent torch warns on every rank that ``all_gather_into_tensor`` and
     ``reduce_scatter_tensor`` are deprecated; DeepSpeed makes those calls, not your script, so exactly these two
     warnings are hidden.
     """
@@ -53,6 +54,10 @@ def init_distributed(timeout_s: float | None = None) -> None:
     if timeout_s is None and on_cpu:
         timeout_s = DEFAULT_CPU_TIMEOUT_S
     kwargs = {} if timeout_s is None else {"timeout": timedelta(seconds=timeout_s)}
+    if "MASTER_PORT" in os.environ:
+        # Under mpirun DeepSpeed's MPI discovery overwrites MASTER_PORT with this argument (29500 by default), so
+        # two jobs on one host would collide; a port the launcher chose wins. Other launchers: unused.
+        kwargs["distributed_port"] = int(os.environ["MASTER_PORT"])
     if on_cpu:
         # Through sys.modules: `import deepspeed.comm.torch as m` binds the torch package that deepspeed.comm
         # re-exports, and patching that would silently do nothing.

@@ -88,6 +88,8 @@ def launch(script: str | os.PathLike, nproc: int = 2, args: list[str] | tuple = 
     cmd += [str(a) for a in args]
     full_env = cpu_env(env)
     full_env["ODC_TEST_DEADLINE_S"] = str(timeout)
+    if launcher == "mpirun":  # a free port, not DeepSpeed's fixed 29500 that concurrent jobs would share
+        full_env.setdefault("MASTER_PORT", str(_free_port()))
     proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=full_env,
                             start_new_session=True)
     try:
