@@ -2,7 +2,7 @@
 
     python benchmarks/e2e.py --model qwen2.5-1.5b --workload longtail --nproc 2 --out results/
 
-Workloads (the lengths of shared/design/baselines.md: 4 samples per rank per minibatch, 1 warm-up + 4 timed):
+Workloads (4 samples per rank per minibatch, 1 warm-up + 4 timed):
   longtail         clamp(exp(ln 8000 + 0.8 N(0,1)), 1024, 32768) from torch.Generator().manual_seed(0), one
                    sample per microbatch
   longtail-packed  the same lengths; lb-micro and lb-mini pack samples into microbatches of up to 64k tokens
@@ -44,7 +44,7 @@ MODES = {
 
 def write_lengths(workload: str, minibatches: int, path: Path, scale: float = 1.0, nproc: int = 2) -> None:
     """4 samples per rank per minibatch. longtail draws them in order from one generator, so at 2 ranks these are
-    exactly baselines.md's lengths."""
+    the lengths every 2-rank result in docs/BENCHMARKS.md was measured on."""
     per_minibatch = 4 * nproc
     if workload == "equal":
         lengths = [8192] * (per_minibatch * minibatches)

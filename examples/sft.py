@@ -12,7 +12,6 @@ from __future__ import annotations
 import argparse
 import contextlib
 import json
-import os
 import sys
 from pathlib import Path
 
@@ -24,10 +23,10 @@ from ds_odc.balancer.sampler import BalancedBatchSampler
 from ds_odc.balancer import FittedCost, QuadraticCost
 from ds_odc.balancer.collate import PackedCollator
 from ds_odc.balancer.presets import PRESETS, get_preset
+from ds_odc.distributed import init_distributed, shutdown_and_exit
 from ds_odc.loss import global_mean_weight, token_loss_sum
 from ds_odc.metrics import StepClock, gather_step, summarize
 from ds_odc.profiling import describe, profile_step
-from ds_odc.testing import finish, init_cpu_distributed
 
 MODEL_PRESETS = {
     # Qwen2.5 shapes (random init: nothing is downloaded).
@@ -174,11 +173,7 @@ def main(argv=None):
     import deepspeed
     import torch.distributed as dist
 
-    if os.environ.get("DS_ACCELERATOR") == "cpu" or not torch.cuda.is_available():
-        init_cpu_distributed(timeout_s=300)
-    else:
-        torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", 0)))
-        deepspeed.init_distributed()
+    init_distributed()
     rank, world = dist.get_rank(), dist.get_world_size()
     device = torch.device("cuda", torch.cuda.current_device()) if torch.cuda.is_available() else torch.device("cpu")
 
@@ -271,7 +266,7 @@ def main(argv=None):
               f"bubble {summary['bubble_rate']:.1%}  time {total_time:.2f}s", flush=True)
         if args.timeline:
             draw_timeline(records[-min(len(records), 4):], args.timeline)
-    finish()
+    shutdown_and_exit()
 
 
 def decoder_layers(model) -> list:

@@ -84,6 +84,13 @@ class OdcTrainer(Trainer):
             args.gradient_accumulation_steps = 1
         user_collator = trainer_kwargs.get("data_collator", trainer_args[0] if trainer_args else None)
         super().__init__(model, args, *trainer_args, **trainer_kwargs)
+        if self.odc:
+            # The ds_config keeps the caller's accumulation steps (filled in by TrainingArguments); ODC marks every
+            # boundary itself, so the count is not used. Accelerate would adopt it anyway, with a "Gradient
+            # accumulation steps mismatch" warning against this trainer's 1: give it the value now.
+            ds_steps = args.hf_deepspeed_config.config.get("gradient_accumulation_steps")
+            if isinstance(ds_steps, int):
+                self.accelerator.gradient_accumulation_steps = ds_steps
         self.odc_balancer = dict(planner=balancer_planner, max_tokens=max_tokens_per_microbatch, cost=balancer_cost,
                                  oversize=oversize)
         self.odc_length_column = length_column

@@ -8,7 +8,8 @@ import torch.distributed as dist
 
 from ds_odc.ops.shm import ShmTransport
 from ds_odc.ops.transport import Segment
-from ds_odc.testing import emit, finish, init_cpu_distributed
+from _support.launch import emit, init_test_ranks
+from ds_odc.distributed import shutdown_and_exit
 
 
 def scenario_stress(args, t: ShmTransport):
@@ -96,11 +97,11 @@ def main():
     parser.add_argument("--rounds", type=int, default=200)
     parser.add_argument("--sleep", type=float, default=3.0)
     args = parser.parse_args()
-    init_cpu_distributed(timeout_s=60)
+    init_test_ranks(timeout_s=60)
     transport = ShmTransport(timeout_s=60)
     globals()[f"scenario_{args.scenario}"](args, transport)
     transport.close()
-    finish()
+    shutdown_and_exit()
 
 
 if __name__ == "__main__":

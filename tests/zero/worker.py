@@ -1,4 +1,4 @@
-"""Distributed scenarios for the ZeRO-3 + ODC tests. Launched by tests through ``ds_odc.testing.launch``.
+"""Distributed scenarios for the ZeRO-3 + ODC tests. Launched by tests through ``_support.launch.launch``.
 
 Usage: worker.py SCENARIO [options]; rank 0 prints one ODC_RESULT line.
 """
@@ -15,7 +15,8 @@ import torch
 
 import ds_odc  # noqa: F401  (installs the odc config key before any engine is built)
 from ds_odc.loss import global_mean_weight, token_loss_sum
-from ds_odc.testing import emit, finish, init_cpu_distributed
+from _support.launch import emit, init_test_ranks
+from ds_odc.distributed import shutdown_and_exit
 
 sys.path.insert(0, os.path.dirname(__file__))
 import _workload  # noqa: E402
@@ -286,9 +287,9 @@ def main():
         _workload.DEVICE = torch.device("cuda", local_rank)
         deepspeed.init_distributed(dist_backend="nccl", timeout=datetime.timedelta(seconds=120))
     else:
-        init_cpu_distributed(timeout_s=60 if args.scenario != "fence_timeout" else args.timeout * 2)
+        init_test_ranks(timeout_s=60 if args.scenario != "fence_timeout" else args.timeout * 2)
     globals()[f"scenario_{args.scenario}"](args)
-    finish()
+    shutdown_and_exit()
 
 
 if __name__ == "__main__":
