@@ -47,7 +47,6 @@ def init_distributed(timeout_s: float | None = None) -> None:
         warnings.filterwarnings("ignore", message=rf"`torch\.distributed\.{name}` is deprecated",
                                 category=FutureWarning)
     import deepspeed
-    import deepspeed.comm  # noqa: F401  (loads deepspeed.comm.torch, whose build hook is replaced below)
     import torch
 
     on_cpu = runs_on_cpu()
@@ -59,9 +58,8 @@ def init_distributed(timeout_s: float | None = None) -> None:
         # two jobs on one host would collide; a port the launcher chose wins. Other launchers: unused.
         kwargs["distributed_port"] = int(os.environ["MASTER_PORT"])
     if on_cpu:
-        # Through sys.modules: `import deepspeed.comm.torch as m` binds the torch package that deepspeed.comm
-        # re-exports, and patching that would silently do nothing.
-        sys.modules["deepspeed.comm.torch"].build_shm_op = lambda: None
+        from ds_odc.zero._deepspeed_privates import skip_cpu_shm_op_build
+        skip_cpu_shm_op_build()
         deepspeed.init_distributed(dist_backend="gloo", **kwargs)
     else:
         torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", 0)))

@@ -57,6 +57,16 @@ def check_deepspeed() -> None:
                           ". Install a supported version: pip install 'deepspeed>=0.19.8,<0.20'")
 
 
+def skip_cpu_shm_op_build() -> None:
+    """Why: ``init_distributed`` on CPU JIT-builds DeepSpeed's shared-memory op (40-65 s of g++ on first use), which only
+    ``inference_all_reduce`` needs, never ZeRO training. Through sys.modules: ``import deepspeed.comm.torch as m``
+    binds the torch package that ``deepspeed.comm`` re-exports, and patching that would silently do nothing."""
+    import sys
+
+    import deepspeed.comm  # noqa: F401  (loads deepspeed.comm.torch)
+    sys.modules["deepspeed.comm.torch"].build_shm_op = lambda: None
+
+
 # -- installing ODC -------------------------------------------------------------------------------------------------
 def install_config_model(config_cls) -> None:
     """Why: ``get_zero_config`` builds the module-global ``DeepSpeedZeroConfig`` (extra="forbid"), so the ``odc`` key

@@ -28,7 +28,7 @@ def cpu_env(extra: dict | None = None) -> dict:
     the checkout plus ``tests/`` importable (rank scripts import ``_support`` too)."""
     env = dict(os.environ)
     env.update({
-        "OMP_NUM_THREADS": "1",
+        "OMP_NUM_THREADS": os.environ.get("ODC_TEST_THREADS", "1"),  # threads per rank (a reduction-order knob)
         "GLOO_SOCKET_IFNAME": "lo",
         "MASTER_ADDR": "127.0.0.1",
         "DS_ACCELERATOR": "cpu",

@@ -12,7 +12,7 @@ from pathlib import Path
 
 import pytest
 
-from ds_odc.testing import launch
+from _support.launch import launch
 from _launch import NO_MULTICAST, needs_gpus, run_ranks  # tests/gpu is on sys.path (rootdir conftest)
 
 pytestmark = [pytest.mark.gpu, pytest.mark.slow, needs_gpus(1)]

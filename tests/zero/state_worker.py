@@ -11,7 +11,8 @@ import torch.distributed as dist
 
 from ds_odc.config import OdcConfig
 from ds_odc.ops.transport import OdcError
-from ds_odc.testing import emit, finish, init_cpu_distributed
+from _support.launch import emit, init_test_ranks
+from ds_odc.distributed import shutdown_and_exit
 from ds_odc.zero.state import OdcState
 
 sys.path.insert(0, os.path.dirname(__file__))
@@ -24,7 +25,7 @@ def grads_of(rank: int, values, scale: float = 1.0):
 
 
 def main():
-    init_cpu_distributed(timeout_s=30)
+    init_test_ranks(timeout_s=30)
     rank, world = dist.get_rank(), dist.get_world_size()
     state = OdcState(OdcConfig(timeout_s=20))
     state.connect(torch.device("cpu"), None)
@@ -107,7 +108,7 @@ def main():
     if rank == 0:
         emit({"ranks": everyone})
     state.close()
-    finish()
+    shutdown_and_exit()
 
 
 if __name__ == "__main__":

@@ -12,7 +12,7 @@ import torch
 import torch.distributed as dist
 
 from ds_odc.config import OdcConfig
-from ds_odc.testing import launch
+from _support.launch import launch
 from ds_odc.zero.state import OdcState
 
 from _state_case import full_values, push_grads, release, zero3_params
