@@ -13,30 +13,28 @@ from __future__ import annotations
 import contextlib
 import json
 import os
-import sys
 from pathlib import Path
 
 import torch
 import torch.distributed as dist
 
-sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "examples"))
-from sft import (MODEL_PRESETS, configure_sdpa, cost_model, decoder_layers, load_lengths, parse_args,  # noqa: E402
-                 sample_tokens)
-
-from ds_odc.balancer.collate import PackedCollator  # noqa: E402
-from ds_odc.balancer.sampler import BalancedBatchSampler  # noqa: E402
-from ds_odc.loss import global_mean_weight, token_loss_sum  # noqa: E402
-from ds_odc.metrics import StepClock, gather_step, summarize  # noqa: E402
-from ds_odc.profiling import describe, profile_step  # noqa: E402
+from ds_odc.attention import restrict_sdpa_backends
+from ds_odc.balancer.collate import PackedCollator
+from ds_odc.balancer.sampler import BalancedBatchSampler
+from ds_odc.loss import global_mean_weight, token_loss_sum
+from ds_odc.metrics import StepClock, gather_step, summarize
+from ds_odc.profiling import decoder_layers, describe, profile_step
+from ds_odc.sft_cli import cost_from_args, samples_from_args, sft_argument_parser
+from ds_odc.workloads import model_config, sample_tokens
 
 
 def main():
-    args = parse_args([a for a in sys.argv[1:]] + (["--deepspeed", "none"] if "--deepspeed" not in sys.argv else []))
-    configure_sdpa(args.sdpa_backends)
+    args = sft_argument_parser(__doc__, deepspeed_config=False).parse_args()
+    restrict_sdpa_backends(args.sdpa_backends)
     if args.balancer == "lb-mini":
-        sys.exit("FSDP2 runs collectives every microbatch: use --balancer local-sort or lb-micro")
+        raise SystemExit("FSDP2 runs collectives every microbatch: use --balancer local-sort or lb-micro")
     from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
-    from transformers import AutoModelForCausalLM, Qwen2Config
+    from transformers import AutoModelForCausalLM
 
     cuda = torch.cuda.is_available()
     dist.init_process_group("nccl" if cuda else "gloo")
@@ -44,8 +42,7 @@ def main():
     device = torch.device("cuda", int(os.environ.get("LOCAL_RANK", 0))) if cuda else torch.device("cpu")
     if cuda:
         torch.cuda.set_device(device)
-    config = Qwen2Config(**MODEL_PRESETS[args.model], max_position_embeddings=131072)
-    config.use_cache = False
+    config = model_config(args.model)
     torch.manual_seed(args.seed)
     with torch.device(device):  # fp32 master weights (as ZeRO keeps), built on the device: fast random init
         model = AutoModelForCausalLM.from_config(config, dtype=torch.float32,
@@ -62,8 +59,8 @@ def main():
         torch.cuda.empty_cache()
         torch.cuda.reset_peak_memory_stats()  # as sft.py: the peak of training, not of building
 
-    lengths, token_ids = load_lengths(args)
-    cost = cost_model(args, config)
+    lengths, token_ids = samples_from_args(args)
+    cost = cost_from_args(args, config)
     sampler = BalancedBatchSampler(lengths.tolist(), world_size=world, rank=rank, minibatch_size=args.minibatch_size,
                                    max_tokens=args.max_tokens, planner=args.balancer, seed=args.seed,
                                    shuffle=not args.no_shuffle, cost=cost)

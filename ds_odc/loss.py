@@ -14,6 +14,8 @@ global mean loss over the minibatch, however its samples are spread over ranks a
 
 from __future__ import annotations
 
+from typing import Any, Mapping
+
 import torch
 import torch.nn.functional as F
 
@@ -34,6 +36,19 @@ def token_loss_sum(logits: torch.Tensor, labels: torch.Tensor, ignore_index: int
                            ignore_index=ignore_index, reduction="sum")
 
 
-def count_loss_tokens(labels: torch.Tensor, ignore_index: int = -100) -> int:
-    """Number of label tokens that contribute to ``token_loss_sum`` (after the shift)."""
-    return int((labels[..., 1:] != ignore_index).sum())
+def count_loss_tokens(batch: Mapping[str, Any] | torch.Tensor, *, shifted: bool = True,
+                      ignore_index: int = -100) -> int:
+    """Number of label tokens that enter a causal-LM loss, for one batch (a dict of model inputs) or a labels tensor.
+
+    ``shift_labels`` in the batch are already aligned with the logits and counted as they are; ``labels`` are counted
+    after the causal shift (``labels[..., 1:]``) unless ``shifted=False`` (a model whose loss does not shift). A batch
+    without labels has 0."""
+    if isinstance(batch, torch.Tensor):
+        labels = batch
+    elif "shift_labels" in batch:
+        return int((batch["shift_labels"] != ignore_index).sum())
+    else:
+        labels = batch.get("labels")
+        if labels is None:
+            return 0
+    return int(((labels[..., 1:] if shifted else labels) != ignore_index).sum())

@@ -25,7 +25,7 @@ from typing import Any, Mapping, Sequence
 
 import torch
 
-__all__ = ["PackedCollator", "count_label_tokens", "IGNORE_INDEX"]
+__all__ = ["PackedCollator", "IGNORE_INDEX"]
 
 IGNORE_INDEX = -100
 
@@ -71,8 +71,3 @@ class PackedCollator:
             "position_ids": torch.cat(pos)[None],
             "labels": torch.cat(labels)[None],
         }
-
-
-def count_label_tokens(batch: Mapping[str, torch.Tensor]) -> int:
-    """Number of label tokens that enter the loss after the causal shift (``labels[..., 1:] != -100``)."""
-    return int((batch["labels"][..., 1:] != IGNORE_INDEX).sum())

@@ -35,7 +35,8 @@ from ds_odc.balancer.collate import PackedCollator
 from ds_odc.balancer.sampler import BalancedBatchSampler, lengths_from_dataset
 from ds_odc.config import odc_config_from_ds_config
 from ds_odc.integrations._metrics import BalanceMeter
-from ds_odc.integrations._packs import Pack, PackBatchSampler, PackCollator, PackDataset, count_label_tokens
+from ds_odc.integrations._packs import Pack, PackBatchSampler, PackCollator, PackDataset
+from ds_odc.loss import count_loss_tokens
 
 ds_odc.patch()  # the `odc` key must parse before TrainingArguments / zero.Init read the ds_config
 
@@ -162,7 +163,7 @@ class OdcTrainer(Trainer):
             return packs, None
         # Every rank holds a pack (same plan length), so this gather is one per step on every rank, like stock's.
         shifted = getattr(self, "_loss_shifts_labels", True)
-        local = [sum(count_label_tokens(mb, shifted) for p in packs for mb in p.microbatches),
+        local = [sum(count_loss_tokens(mb, shifted=shifted) for p in packs for mb in p.microbatches),
                  float(any("labels" in mb or "shift_labels" in mb for p in packs for mb in p.microbatches))]
         counts = torch.tensor(local, dtype=torch.float64, device=device)
         if self.args.average_tokens_across_devices and self.args.world_size > 1:
@@ -213,7 +214,7 @@ class OdcTrainer(Trainer):
         # The model averaged over this microbatch's tokens only (it takes no num_items_in_batch): reweight it to its
         # share of the global token mean, times W for ZeRO's averaging over ranks.
         loss = out[0] if return_outputs else out
-        n_local = count_label_tokens(self._odc_pack_microbatch, getattr(self, "_loss_shifts_labels", True))
+        n_local = count_loss_tokens(self._odc_pack_microbatch, shifted=getattr(self, "_loss_shifts_labels", True))
         scale = n_local / max(int(self._odc_global_label_tokens), 1)
         if self.args.average_tokens_across_devices:
             scale *= self.args.world_size

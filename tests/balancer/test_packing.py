@@ -4,7 +4,8 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from ds_odc.balancer.collate import IGNORE_INDEX, PackedCollator, count_label_tokens
+from ds_odc.balancer.collate import IGNORE_INDEX, PackedCollator
+from ds_odc.loss import count_loss_tokens
 
 LENS = [5, 9, 1, 3, 7]
 
@@ -25,7 +26,7 @@ def test_collator_layout():
     assert all(b["labels"][0, s] == IGNORE_INDEX for s in starts)
     keep = [t for t in range(T) if t not in starts]
     assert torch.equal(b["labels"][0, keep], b["input_ids"][0, keep])
-    assert count_label_tokens(b) == sum(n - 1 for n in LENS) == T - len(LENS)
+    assert count_loss_tokens(b) == sum(n - 1 for n in LENS) == T - len(LENS)
 
 
 def test_collator_given_labels_and_padding():
@@ -34,7 +35,7 @@ def test_collator_given_labels_and_padding():
     assert b["input_ids"][0].tolist() == [1, 2, 3, 4, 5, 99, 99, 99]
     assert b["labels"][0].tolist() == [-100, 7, 8, -100, 10, -100, -100, -100]
     assert b["position_ids"][0].tolist() == [0, 1, 2, 0, 1, 0, 1, 2]
-    assert count_label_tokens(b) == 3
+    assert count_loss_tokens(b) == 3
     with pytest.raises(ValueError):
         PackedCollator()([{"input_ids": [1, 2], "labels": [1]}])
     with pytest.raises(ValueError):
@@ -70,8 +71,8 @@ def test_packed_forward_equals_unpacked(impl):
         ref = torch.cat(ref)
     assert packed.shape == ref.shape == (sum(LENS) - len(LENS),)
     torch.testing.assert_close(packed, ref, atol=1e-5, rtol=1e-5)
-    # HF's own loss is the mean over exactly count_label_tokens(batch) terms
-    assert out.loss.item() == pytest.approx(ref.sum().item() / count_label_tokens(batch), abs=1e-5)
+    # HF's own loss is the mean over exactly count_loss_tokens(batch) terms
+    assert out.loss.item() == pytest.approx(ref.sum().item() / count_loss_tokens(batch), abs=1e-5)
 
 
 def test_packing_detection_needs_use_cache_false():
