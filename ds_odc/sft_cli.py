@@ -7,14 +7,18 @@ two things a run derives from its flags: the samples (lengths, and token ids for
 from __future__ import annotations
 
 import argparse
+from typing import Any, Mapping
 
 import numpy as np
+import torch
 
+from ds_odc import attention
 from ds_odc.balancer import FittedCost, QuadraticCost
 from ds_odc.balancer.presets import PRESETS
+from ds_odc.loss import use_chunked_loss
 from ds_odc.workloads import MODEL_SHAPES, load_lengths, tokenize_text_file
 
-__all__ = ["sft_argument_parser", "samples_from_args", "cost_from_args"]
+__all__ = ["sft_argument_parser", "samples_from_args", "cost_from_args", "prepare_model", "on_device"]
 
 
 def sft_argument_parser(description: str | None = None, deepspeed_config: bool = True) -> argparse.ArgumentParser:
@@ -46,7 +50,13 @@ def sft_argument_parser(description: str | None = None, deepspeed_config: bool =
     p.add_argument("--no-shuffle", action="store_true", help="take samples in file order (benchmarks)")
     if deepspeed_config:
         p.add_argument("--deepspeed", required=True, help="ds_config JSON")
-    p.add_argument("--attn-implementation", default=None, help="default: sdpa on GPU, eager on CPU")
+    p.add_argument("--attn-implementation", default="ds_odc_varlen",
+                   help="transformers attention; default ds_odc_varlen: each packed document attends to itself only, "
+                        "with no per-length planning (ds_odc.attention)")
+    p.add_argument("--attention-kernel", default="auto", choices=["auto", "varlen", "sdpa"],
+                   help="kernel of ds_odc_varlen: torch's varlen flash attention (GPU) or sdpa per document")
+    p.add_argument("--loss-chunk-tokens", type=int, default=4096,
+                   help="compute the loss this many positions at a time, never the full logits (0: full logits)")
     p.add_argument("--sdpa-backends", default=None,
                    help="comma list of the sdpa kernels torch may pick from (flash, efficient, cudnn, math); default: "
                         "all. cuDNN plans each new sequence length on the host, which variable lengths pay for")
@@ -83,3 +93,18 @@ def cost_from_args(args: argparse.Namespace, model_config):
         a, b, c = (float(x) for x in args.cost_coeffs.split(","))
         return FittedCost(a=a, b=b, c=c)
     return "tokens"
+
+
+def prepare_model(model: torch.nn.Module, args: argparse.Namespace) -> torch.nn.Module:
+    """The model options of the flags: attention kernel, chunked loss, activation checkpointing."""
+    attention.set_kernel(args.attention_kernel)
+    if args.loss_chunk_tokens:
+        use_chunked_loss(model, chunk_tokens=args.loss_chunk_tokens)
+    if args.gradient_checkpointing:
+        model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+    return model
+
+
+def on_device(row: Mapping[str, Any], device: torch.device) -> dict[str, Any]:
+    """A collated microbatch on ``device`` (tensors moved, Python ints such as ``max_length_q`` kept)."""
+    return {k: v.to(device, non_blocking=True) if torch.is_tensor(v) else v for k, v in row.items()}

@@ -21,10 +21,10 @@ from ds_odc.attention import restrict_sdpa_backends
 from ds_odc.balancer.collate import PackedCollator
 from ds_odc.balancer.sampler import BalancedBatchSampler
 from ds_odc.config import odc_config_from_ds_config
-from ds_odc.loss import global_mean_weight, token_loss_sum
+from ds_odc.loss import global_mean_weight
 from ds_odc.metrics import StepClock, gather_step, summarize
 from ds_odc.profiling import decoder_layers, describe, profile_step
-from ds_odc.sft_cli import cost_from_args, samples_from_args, sft_argument_parser
+from ds_odc.sft_cli import cost_from_args, on_device, prepare_model, samples_from_args, sft_argument_parser
 from ds_odc.testing import finish, init_cpu_distributed
 from ds_odc.workloads import model_config, sample_tokens
 
@@ -35,7 +35,7 @@ def parse_args(argv=None):
 
 def build_model(args, ds_config: dict, device: torch.device):
     from transformers import AutoConfig, AutoModelForCausalLM
-    attn = args.attn_implementation or ("sdpa" if device.type == "cuda" else "eager")
+    attn = args.attn_implementation
     dtype = torch.bfloat16 if ds_config.get("bf16", {}).get("enabled") else torch.float32
     config = AutoConfig.from_pretrained(args.model_path) if args.model_path else model_config(args.model)
     config.use_cache = False  # packed rows: transformers only detects sample boundaries without a cache
@@ -53,9 +53,7 @@ def build_model(args, ds_config: dict, device: torch.device):
             model = (AutoModelForCausalLM.from_pretrained(args.model_path, dtype=dtype, attn_implementation=attn)
                      if args.model_path else
                      AutoModelForCausalLM.from_config(config, dtype=dtype, attn_implementation=attn))
-    if args.gradient_checkpointing:
-        model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
-    return model
+    return prepare_model(model, args)
 
 
 def main(argv=None):
@@ -118,13 +116,12 @@ def main(argv=None):
             for i, mb in enumerate(batch.microbatches):
                 samples = [{"input_ids": sample_ids(j)[:args.max_tokens] if j in batch.truncated else sample_ids(j)}
                            for j in mb]
-                row = {key: t.to(device) for key, t in collate(samples).items()}
+                row = on_device(collate(samples), device)
                 tokens += row["input_ids"].numel()
                 sq_tokens += sum(len(s["input_ids"]) ** 2 for s in samples)
                 engine.set_gradient_accumulation_boundary(i == k - 1)
-                logits = engine(input_ids=row["input_ids"], position_ids=row["position_ids"]).logits
-                loss = token_loss_sum(logits, row["labels"]) * weight
-                del logits
+                # The loss sum divided by N / W: this microbatch's share of the global mean (ds_odc.loss).
+                loss = engine(**row, num_items_in_batch=1 / weight).loss
                 engine.backward(loss, scale_wrt_gas=False)
                 engine.step()
                 loss_share += loss.item() / world
