@@ -105,7 +105,8 @@ def main():
     data = synthetic_pairs(args.num_samples)
     if args.odc:
         trainer = make_trainer_class()(model, config, train_dataset=data, processing_class=tokenizer,
-                                       max_tokens_per_microbatch=args.max_tokens, microbatch_collator="trainer")
+                                       max_tokens_per_microbatch=args.max_tokens, microbatch_collator="trainer",
+                                       packed_attention=True)
     else:
         trainer = SFTTrainer(model, config, train_dataset=data, processing_class=tokenizer)
     result = trainer.train()

@@ -71,6 +71,8 @@ def scenario_equivalence():
             "samples_per_second": logged(odc, "odc/samples_per_second"),
             "microbatch_counts": counts,
             "optimizer": type(odc.model_wrapped.optimizer).__name__,
+            "odc_attention": odc.model.config._attn_implementation,
+            "odc_chunked_loss": "forward" in vars(odc.model),
             "stock_optimizer": type(stock.model_wrapped.optimizer).__name__,
             "global_steps": [odc.state.global_step, stock.state.global_step, off.state.global_step],
             "train_samples": odc.get_total_train_batch_size(odc.args),

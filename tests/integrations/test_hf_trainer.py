@@ -29,6 +29,8 @@ def test_odc_lb_mini_matches_stock_zero3_loss_curve(equivalence):
     assert rel_diff(loss["odc"], loss["stock"]) <= REL_TOL, loss
     assert rel_diff(norm["odc"], norm["stock"]) <= REL_TOL, norm  # same gradients, not only the same loss
     assert loss["stock"][-1] < loss["stock"][0]  # it trained
+    # ...with OdcTrainer's defaults for packed rows: ds_odc_varlen attention and the chunked loss (stock: sdpa, logits)
+    assert equivalence["odc_attention"] == "ds_odc_varlen" and equivalence["odc_chunked_loss"]
 
 
 def test_packs_were_uneven(equivalence):
