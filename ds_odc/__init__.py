@@ -76,11 +76,18 @@ def patch() -> None:
 
 
 class _PatchAfterDeepSpeedImport(importlib.abc.MetaPathFinder):
-    """Finds ``deepspeed`` through the other finders and runs :func:`patch` right after its module has executed;
-    then leaves ``sys.meta_path``. Every other name, and a mere lookup (``importlib.util.find_spec``), is untouched."""
+    """Runs :func:`patch` right after ``deepspeed``'s module has executed, then leaves ``sys.meta_path``.
+
+    When DeepSpeed's import happens inside the import of a ds_odc module (``from ds_odc.config import ...`` first),
+    the patch waits until every ds_odc module being imported has finished, since it needs them whole. Every other
+    name, and a mere lookup (``importlib.util.find_spec``), is untouched."""
+
+    def __init__(self):
+        self.importing = 0  # ds_odc modules executing right now
+        self.pending = False  # DeepSpeed is in, the patch waits for those modules
 
     def find_spec(self, fullname, path=None, target=None):
-        if fullname != "deepspeed":
+        if fullname != "deepspeed" and not fullname.startswith("ds_odc."):
             return None
         for finder in sys.meta_path:
             if finder is not self and hasattr(finder, "find_spec"):
@@ -93,22 +100,23 @@ class _PatchAfterDeepSpeedImport(importlib.abc.MetaPathFinder):
         if loader is None or not hasattr(loader, "exec_module"):
             return spec
         execute = loader.exec_module
+        ours = fullname != "deepspeed"
 
         def exec_module(module):
-            execute(module)
-            if self in sys.meta_path:
-                sys.meta_path.remove(self)
-            patch()
+            self.importing += ours
+            try:
+                execute(module)
+            finally:
+                self.importing -= ours
+            self.pending = self.pending or not ours
+            if self.pending and self.importing == 0:
+                self.pending = False
+                if self in sys.meta_path:
+                    sys.meta_path.remove(self)
+                patch()
 
         loader.exec_module = exec_module  # this spec's own loader instance: one import, nothing shared
         return spec
-
-
-def _patch_now_or_after_deepspeed_import() -> None:
-    if "deepspeed" in sys.modules:
-        patch()
-    elif not any(isinstance(f, _PatchAfterDeepSpeedImport) for f in sys.meta_path):
-        sys.meta_path.insert(0, _PatchAfterDeepSpeedImport())
 
 
 def __getattr__(name: str):
@@ -123,4 +131,7 @@ def __dir__():
     return sorted(set(globals()) | set(_LAZY_EXPORTS))
 
 
-_patch_now_or_after_deepspeed_import()
+if "deepspeed" in sys.modules:
+    patch()
+elif not any(isinstance(f, _PatchAfterDeepSpeedImport) for f in sys.meta_path):
+    sys.meta_path.insert(0, _PatchAfterDeepSpeedImport())
