@@ -62,3 +62,16 @@ print(json.dumps({{"patched": ds_odc._patched, "hooked": {HOOKED}, "model": Deep
                   "exports": [OdcConfig.__name__, FenceTimeout.__name__]}}))
 """)
     assert r == {"patched": True, "hooked": [], "model": "OdcZeroConfig", "exports": ["OdcConfig", "FenceTimeout"]}
+
+
+def test_odc_key_installed_when_a_ds_odc_module_imports_deepspeed_first():
+    """`from ds_odc.config import OdcConfig` as the first import: DeepSpeed loads inside ds_odc.config, and the patch
+    (which needs ds_odc.config whole) runs once that import has finished."""
+    r = run(f"""
+import json, sys
+from ds_odc.config import OdcConfig
+import ds_odc
+from deepspeed.runtime.zero.config import DeepSpeedZeroConfig
+print(json.dumps({{"patched": ds_odc._patched, "hooked": {HOOKED}, "model": DeepSpeedZeroConfig.__name__}}))
+""")
+    assert r == {"patched": True, "hooked": [], "model": "OdcZeroConfig"}
