@@ -252,9 +252,11 @@ class Stage3Seams:
     def partition_grads(self, params_to_release, grad_partitions) -> list:
         # Why: stock copies (or adds) the reduce-scattered slice into the local partition; ODC's pushes already went
         # to the owners, so only the full gradients are freed (once the stream that pushes them has read them).
+        from deepspeed.accelerator import get_accelerator
+        stream = get_accelerator().current_stream()  # None where the device has no streams (CPU)
         for param in params_to_release:
-            if param.grad is not None and param.grad.is_cuda:
-                param.grad.record_stream(torch.cuda.current_stream())
+            if param.grad is not None and stream is not None:
+                param.grad.record_stream(stream)
             param.grad = None
         return []
 
