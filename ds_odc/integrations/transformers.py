@@ -47,9 +47,12 @@ BALANCER_STATE_NAME = "ds_odc_balancer.json"
 
 
 def odc_enabled(args) -> bool:
-    """Whether ``TrainingArguments`` carry a DeepSpeed config with ``zero_optimization.odc`` on."""
+    """Whether ``TrainingArguments`` carry a DeepSpeed config with ``zero_optimization.odc`` on: passed as
+    ``deepspeed=...``, or as the ``deepspeed_config_file`` of an ``accelerate launch`` config."""
     hf_ds = getattr(args, "hf_deepspeed_config", None)
     config = getattr(hf_ds, "config", None)
+    if not isinstance(config, dict):
+        config = getattr(getattr(args, "deepspeed_plugin", None), "deepspeed_config", None)
     if not isinstance(config, dict):
         return False
     return bool(odc_config_from_ds_config(config).enabled)

@@ -29,3 +29,52 @@ def prompt_batch(lengths: list[int], seed: int) -> dict[str, torch.Tensor]:
         ids[row, width - n:] = torch.randint(1, VOCAB, (n,), generator=g)
         mask[row, width - n:] = 1
     return {"input_ids": ids, "attention_mask": mask}
+
+
+def char_tokenizer():
+    """A character-level tokenizer made in code (no hub access): pad 0, eos 1, unk 2, then printable ASCII."""
+    from tokenizers import Tokenizer, models, pre_tokenizers
+    from transformers import PreTrainedTokenizerFast
+    chars = [chr(c) for c in range(32, 127)]
+    vocab = {tok: i for i, tok in enumerate(["<pad>", "<eos>", "<unk>"] + chars)}
+    tok = Tokenizer(models.WordLevel(vocab, unk_token="<unk>"))
+    tok.pre_tokenizer = pre_tokenizers.Split("", "isolated")
+    return PreTrainedTokenizerFast(tokenizer_object=tok, pad_token="<pad>", eos_token="<eos>", unk_token="<unk>")
+
+
+def prompt_dataset(n: int, seed: int = 0):
+    """Prompts of varied length ("Q: <words>\\nA:")."""
+    import random
+
+    from datasets import Dataset
+    rng = random.Random(seed)
+    words = ["alpha", "beta", "gamma", "delta", "odc", "zero", "rank", "step"]
+    return Dataset.from_dict({"prompt": ["Q: " + " ".join(rng.choices(words, k=rng.randint(1, 3))) + "\nA:"
+                                         for _ in range(n)]})
+
+
+def scripted_rollout(max_new_tokens: int):
+    """A deterministic stand-in for generation (TRL's ``rollout_func``): each completion's tokens and length follow
+    from its prompt, its position in the call and the optimizer step, so stock and ODC runs train the same
+    completions. Lengths vary from 1 token to ``max_new_tokens``; most end with EOS."""
+    import random
+
+    def rollout(prompts, trainer):
+        tok = trainer.processing_class
+        prompt_ids = tok(text=prompts)["input_ids"]
+        completions = []
+        for k, prompt in enumerate(prompts):
+            rng = random.Random(f"{prompt}|{k}|{trainer.state.global_step}")
+            n = rng.choice([1, 2, 3, max_new_tokens // 4, max_new_tokens])
+            ids = [rng.randint(3 + 65, 3 + 90) for _ in range(n)]  # letters a..z
+            if n < max_new_tokens and rng.random() < 0.8:
+                ids[-1] = tok.eos_token_id
+            completions.append(ids)
+        return {"prompt_ids": prompt_ids, "completion_ids": completions, "logprobs": None}
+
+    return rollout
+
+
+def letter_reward(completions, **kwargs):
+    """A verifiable toy reward: the share of vowels in the completion (varies within every prompt group)."""
+    return [sum(ch in "aeiou" for ch in c) / max(len(c), 1) for c in completions]
