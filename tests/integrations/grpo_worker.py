@@ -4,7 +4,7 @@ Both trainers get the same scripted completions (TRL's ``rollout_func``), so any
 step is trained: ODC re-plans every step's rollouts across ranks with LB-Mini (uneven microbatch counts) and must
 still give TRL's loss and parameters. fp32, SGD, a tiny Qwen2 loaded from a local folder (nothing downloaded).
 
-Usage: grpo_worker.py equivalence|resume [--loss-types a,b]; rank 0 prints one ODC_RESULT line.
+Usage: grpo_worker.py equivalence [--cases a,b] [--refusals] [--resume]; rank 0 prints one ODC_RESULT line.
 """
 
 from __future__ import annotations
@@ -115,28 +115,57 @@ def scenario_equivalence(args):
         if name == args.cases.split(",")[0]:
             out["log_keys"] = sorted(odc["logs"][-1])
             out["last_log"] = {k: v for k, v in odc["logs"][-1].items() if k.startswith("odc/")}
+    if args.refusals:
+        out["refusals"] = refusals(model_path, tmp)
+    if args.resume:
+        out["resume"] = resume(model_path, tmp)
     if dist.get_rank() == 0:
         emit(out)
 
 
-def scenario_resume(args):
+REFUSED = {
+    "use_vllm": {"use_vllm": True},
+    "top_entropy_quantile": {"top_entropy_quantile": 0.5},
+    "entropy_coef": {"entropy_coef": 0.01},
+    "steps_per_generation": {"steps_per_generation": 3},
+    "loss_type": {"loss_type": "no-such-loss"},
+}
+
+
+def refusals(model_path: str, tmp: str) -> dict:
+    """Options ODC cannot run: each must fail at construction with a message naming it (no hang, no training)."""
+    from ds_odc.integrations.trl_grpo import OdcGRPOTrainer
+    out = {}
+    for name, overrides in REFUSED.items():
+        try:
+            config = grpo_config(f"{tmp}/refused", odc=True, **{k: v for k, v in overrides.items() if k != "loss_type"})
+            if "loss_type" in overrides:
+                config.loss_type = overrides["loss_type"]
+            OdcGRPOTrainer(model_path, reward_funcs=letter_reward, args=config, train_dataset=prompt_dataset(8),
+                           processing_class=char_tokenizer())
+            out[name] = "accepted"
+        except ValueError as err:
+            out[name] = str(err)
+    return out
+
+
+def resume(model_path: str, tmp: str) -> dict:
     """4 steps with a checkpoint at step 2; a new trainer resumed from it must reproduce steps 3 and 4."""
-    import torch.distributed as dist
-    tmp = shared_tmpdir()
-    model_path = save_model(tmp)
     common = dict(loss_type="dapo", max_steps=4, save_strategy="steps", save_steps=2)
     full = train(model_path, f"{tmp}/full", odc=True, **common)
     resumed = train(model_path, f"{tmp}/resumed", odc=True, resume=f"{tmp}/full/checkpoint-2", **common)
-    if dist.get_rank() == 0:
-        emit({"full_loss": full["loss"], "resumed_loss": resumed["loss"],
-              "loss_diff": rel_loss_diff(resumed["loss"][-2:], full["loss"][-2:]),
-              "param_diff": max_rel_diff(resumed["params"], full["params"])})
+    return {"full_loss": full["loss"], "resumed_loss": resumed["loss"],
+            "loss_diff": rel_loss_diff(resumed["loss"][-2:], full["loss"][-2:]),
+            "param_diff": max_rel_diff(resumed["params"], full["params"]),
+            "steps_run": [len(full["microbatches"]), len(resumed["microbatches"])]}
 
 
 def main():
     parser = argparse.ArgumentParser()
     parser.add_argument("scenario")
     parser.add_argument("--cases", default=",".join(CASES))
+    parser.add_argument("--refusals", action="store_true")
+    parser.add_argument("--resume", action="store_true")
     parser.add_argument("--local_rank", type=int, default=None)
     args = parser.parse_args()
     init_cpu_distributed(timeout_s=120)
