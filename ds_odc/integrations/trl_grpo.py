@@ -111,7 +111,18 @@ class OdcGRPOTrainer(GRPOTrainer):
                                  + "; ".join(refused) + ". Change these options or turn ODC off.")
         if generation_residency is not None and generation_residency not in RESIDENCIES:
             raise ValueError(f"ds_odc: generation_residency must be one of {RESIDENCIES}, got {generation_residency!r}")
+        if self.odc and not isinstance(model, str):
+            from accelerate.utils import is_peft_model
+            if is_peft_model(model):
+                raise ValueError("ds_odc: OdcGRPOTrainer with zero_optimization.odc does not support a PeftModel "
+                                 "(PEFT/LoRA adapters are not tested with ODC yet): train without ODC, or merge the "
+                                 "adapter into a full fine-tune")
         super().__init__(model, reward_funcs, args, *trainer_args, **trainer_kwargs)
+        if self.odc and (self._is_vlm or self.aux_loss_enabled):
+            raise ValueError("ds_odc: OdcGRPOTrainer with zero_optimization.odc does not support "
+                             + ("vision-language models (their image inputs are not moved between ranks yet)"
+                                if self._is_vlm else "the MoE router auxiliary loss (a per-microbatch term: set "
+                                "router_aux_loss_coef=0 or turn output_router_logits off)") + ". Turn ODC off for it.")
         self.odc_balancer = dict(planner=balancer_planner, cost=balancer_cost, max_tokens=max_tokens_per_microbatch)
         if generation_residency is None:
             generation_residency = "auto" if self.args.ds3_gather_for_generation else "block"
@@ -283,23 +294,31 @@ class OdcGRPOTrainer(GRPOTrainer):
         window["gen_s"] += float(rows[:, 5].max())
         window["gen_tokens"] += int(rows[:, 6].sum())
         self._metrics["train"]["step_time"].append(step_time)
-        names = [None] * W
+        self._odc_reduce_metrics(scratch)
+
+    def _odc_reduce_metrics(self, scratch) -> None:
+        """Each metric TRL's loss recorded per sample, combined over all ranks' samples of the step: ``*_min`` and
+        ``*_max`` keys by min / max, the rest by mean. Names first (a rank may have trained nothing)."""
+        names = [None] * self.args.world_size
         dist.all_gather_object(names, sorted(scratch))
-        for name in sorted(set().union(*names)):
-            values = [v for v in scratch.get(name, []) if not math.isnan(v)]
-            if name.endswith("_min"):
-                stat = torch.tensor([min(values, default=math.inf)], dtype=torch.float64, device=self.args.device)
-                dist.all_reduce(stat, op=dist.ReduceOp.MIN)
-                value = float(stat)
-            elif name.endswith("_max"):
-                stat = torch.tensor([max(values, default=-math.inf)], dtype=torch.float64, device=self.args.device)
-                dist.all_reduce(stat, op=dist.ReduceOp.MAX)
-                value = float(stat)
-            else:
-                stat = torch.tensor([sum(values), len(values)], dtype=torch.float64, device=self.args.device)
-                dist.all_reduce(stat)
-                value = float(stat[0] / stat[1]) if stat[1] > 0 else math.nan
-            self._metrics["train"][name].append(value)
+        names = sorted(set().union(*names))
+        device = self.args.device
+        values = {n: [v for v in scratch.get(n, []) if not math.isnan(v)] for n in names}
+        means = [n for n in names if not n.endswith(("_min", "_max"))]
+        sums = torch.tensor([[sum(values[n]), len(values[n])] for n in means], dtype=torch.float64,
+                            device=device).reshape(-1, 2)
+        lows = torch.tensor([min(values[n], default=math.inf) for n in names if n.endswith("_min")],
+                            dtype=torch.float64, device=device)
+        highs = torch.tensor([max(values[n], default=-math.inf) for n in names if n.endswith("_max")],
+                             dtype=torch.float64, device=device)
+        dist.all_reduce(sums)
+        dist.all_reduce(lows, op=dist.ReduceOp.MIN)
+        dist.all_reduce(highs, op=dist.ReduceOp.MAX)
+        out = {n: (float(s / c) if c > 0 else math.nan) for n, (s, c) in zip(means, sums.tolist())}
+        out.update(zip([n for n in names if n.endswith("_min")], lows.tolist()))
+        out.update(zip([n for n in names if n.endswith("_max")], highs.tolist()))
+        for name in names:
+            self._metrics["train"][name].append(out[name])
 
     def _odc_step_samples(self) -> int:
         return self.args.per_device_train_batch_size * self.current_gradient_accumulation_steps * self.args.world_size
