@@ -226,8 +226,9 @@ def report(results, args) -> str:
             continue
         ratio = r["tokens_per_second"] / plain["tokens_per_second"] if "tokens_per_second" in plain else float("nan")
         same = "-" if mode == "plain" else ("yes" if "tokens" in plain and r["tokens"] == plain["tokens"] else "no")
-        lines.append(f"| {mode} | {r['tokens_per_second']:.0f} | {ratio:.2f}x | {r.get('peak_gib', float('nan')):.1f} | "
-                     f"{r.get('static_gib', float('nan')):.1f} | {r['seconds']:.1f} | {same} |")
+        peak, static = r.get("peak_gib", float("nan")), r.get("static_gib", float("nan"))
+        lines.append(f"| {mode} | {r['tokens_per_second']:.0f} | {ratio:.2f}x | {peak:.1f} | {static:.1f} | "
+                     f"{r['seconds']:.1f} | {same} |")
     return "\n".join(lines) + "\n"
 
 

@@ -30,6 +30,7 @@ import re
 import torch
 
 import ds_odc  # noqa: F401  (teaches DeepSpeed the `odc` key before GRPOConfig and the model)
+from toy_text import char_tokenizer  # examples/toy_text.py, next to this script
 
 PRESETS = {
     "tiny": dict(hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
@@ -58,17 +59,6 @@ def parse_args():
     p.add_argument("--output-dir", default="runs/grpo")
     p.add_argument("--local_rank", type=int, default=None)
     return p.parse_args()
-
-
-def char_tokenizer():
-    """A character-level tokenizer made in code (no hub access)."""
-    from tokenizers import Tokenizer, models, pre_tokenizers
-    from transformers import PreTrainedTokenizerFast
-    chars = [chr(c) for c in range(32, 127)]
-    vocab = {tok: i for i, tok in enumerate(["<pad>", "<eos>", "<unk>"] + chars)}
-    tok = Tokenizer(models.WordLevel(vocab, unk_token="<unk>"))
-    tok.pre_tokenizer = pre_tokenizers.Split("", "isolated")
-    return PreTrainedTokenizerFast(tokenizer_object=tok, pad_token="<pad>", eos_token="<eos>", unk_token="<unk>")
 
 
 def sums_dataset(n: int, seed: int = 0):

@@ -21,6 +21,7 @@ import random
 import torch
 
 import ds_odc  # noqa: F401  (teaches DeepSpeed the `odc` key before SFTConfig and the model)
+from toy_text import char_tokenizer  # examples/toy_text.py, next to this script
 
 
 def parse_args():
@@ -34,17 +35,6 @@ def parse_args():
     p.add_argument("--output-dir", default="runs/trl_sft")
     p.add_argument("--local_rank", type=int, default=None)
     return p.parse_args()
-
-
-def char_tokenizer():
-    """A character-level tokenizer made in code (no hub access)."""
-    from tokenizers import Tokenizer, models, pre_tokenizers
-    from transformers import PreTrainedTokenizerFast
-    chars = [chr(c) for c in range(32, 127)]
-    vocab = {tok: i for i, tok in enumerate(["<pad>", "<eos>", "<unk>"] + chars)}
-    tok = Tokenizer(models.WordLevel(vocab, unk_token="<unk>"))
-    tok.pre_tokenizer = pre_tokenizers.Split("", "isolated")
-    return PreTrainedTokenizerFast(tokenizer_object=tok, pad_token="<pad>", eos_token="<eos>", unk_token="<unk>")
 
 
 def synthetic_pairs(n: int, seed: int = 0):

@@ -114,7 +114,7 @@ def plan_rollout(batch: dict, *, world: int, batch_rows: int, gas: int, planner:
     plan = RolloutPlan(world, rows, batch_rows, every[:, 0], every[:, 1], every[:, 2])
     total = plan.prompt_len + plan.completion_len
     if max_tokens is None:  # as large as the largest stock microbatch of this batch: its rows x its padded width
-        widths = [int(plan.prompt_len[r * rows:(r + 1) * rows].max()) + int(plan.completion_len[r * rows:(r + 1) * rows].max())
+        widths = [int(plan.prompt_len[r * rows:(r + 1) * rows].max() + plan.completion_len[r * rows:(r + 1) * rows].max())
                   for r in range(world)]
         max_tokens = batch_rows * max(widths)
     step_rows = batch_rows * gas
@@ -126,17 +126,22 @@ def plan_rollout(batch: dict, *, world: int, batch_rows: int, gas: int, planner:
     return plan
 
 
+def _is_completion_field(key: str) -> bool:
+    return key in ("completion_ids", COMPLETION_MASK, TOOL_MASK) or key.endswith("per_token_logps")
+
+
 def _schema(batch: dict, skip: set[str]) -> tuple[list[str], list[str]]:
-    """Field names by kind: completion-aligned (2-D, width of the completions) and per-sample."""
+    """Field names by kind: completion-aligned (2-D, width of the completions) and per-sample (1-D, or one column:
+    a width-1 field is per-sample unless its name says it is per token, as when every completion has one token)."""
     width = batch[COMPLETION_MASK].shape[1]
     completion, per_sample = [], []
     for key, value in batch.items():
         if key in skip or not isinstance(value, torch.Tensor) or value.ndim == 0:
             continue
-        if value.ndim == 1 or (value.ndim == 2 and value.shape[1] == 1):
-            per_sample.append(key)
-        elif value.ndim == 2 and value.shape[1] == width:
+        if value.ndim == 2 and value.shape[1] == width and (width > 1 or _is_completion_field(key)):
             completion.append(key)
+        elif value.ndim == 1 or (value.ndim == 2 and value.shape[1] == 1):
+            per_sample.append(key)
         else:
             raise ValueError(f"ds_odc: cannot move the rollout field {key!r} of shape {tuple(value.shape)} between "
                              "ranks (multimodal inputs are not supported with ODC yet)")

@@ -35,7 +35,7 @@ import torch
 from ds_odc.integrations import _engine_standins as standins
 from ds_odc.ops.transport import OdcError
 
-__all__ = ["lockstep_free", "residency_for", "collectives_forbidden", "LockstepError", "RESIDENCIES"]
+__all__ = ["lockstep_free", "residency_for", "is_odc_engine", "collectives_forbidden", "LockstepError", "RESIDENCIES"]
 
 RESIDENCIES = ("auto", "full", "block")
 
@@ -88,16 +88,20 @@ def collectives_forbidden(what: str = "lockstep-free generation") -> Iterator[No
             setattr(owner, name, original)
 
 
-def _odc_optimizer(engine):
+def is_odc_engine(engine) -> bool:
+    """Whether ``engine`` is a DeepSpeedEngine whose ZeRO-3 optimizer runs ODC (built with an optimizer)."""
     from ds_odc.zero.optimizer import OdcOptimizer
-    optimizer = getattr(engine, "optimizer", None)
-    if not isinstance(optimizer, OdcOptimizer):
+    return isinstance(getattr(engine, "optimizer", None), OdcOptimizer)
+
+
+def _require_odc(engine) -> None:
+    if not is_odc_engine(engine):
+        optimizer = getattr(engine, "optimizer", None)
         raise ValueError(
             "ds_odc: lockstep-free generation needs the DeepSpeedEngine of a model trained with "
             "zero_optimization.odc on (got "
             f"{type(engine).__name__} with optimizer {type(optimizer).__name__}). Stock ZeRO-3, and engines built "
             "without an optimizer, gather parameters with collectives: generate with synced_gpus=True there.")
-    return optimizer
 
 
 def full_model_bytes(module: torch.nn.Module) -> int:
@@ -160,7 +164,7 @@ def lockstep_free(engine, residency: str = "auto", max_resident_bytes: int | Non
         max_resident_bytes: the budget ``"auto"`` compares one full model copy with (default: half the free
             device memory).
     """
-    _odc_optimizer(engine)
+    _require_odc(engine)
     mode = residency_for(engine, residency, max_resident_bytes)
     module = engine.module
     with contextlib.ExitStack() as stack:

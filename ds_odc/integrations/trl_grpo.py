@@ -26,7 +26,7 @@ from __future__ import annotations
 import contextlib
 import math
 import time
-from collections import defaultdict
+from collections import defaultdict, deque
 from typing import Any
 
 import torch
@@ -37,7 +37,7 @@ from trl.trainer.utils import shuffle_sequence_dict
 import ds_odc
 from ds_odc.integrations import _rollout as rollout
 from ds_odc.integrations._metrics import BalanceMeter
-from ds_odc.integrations.generation import RESIDENCIES, lockstep_free, residency_for
+from ds_odc.integrations.generation import RESIDENCIES, is_odc_engine, lockstep_free
 from ds_odc.integrations.transformers import odc_enabled
 
 __all__ = ["OdcGRPOTrainer", "LOSS_WEIGHTS"]
@@ -133,13 +133,13 @@ class OdcGRPOTrainer(GRPOTrainer):
         self._odc_served: tuple[torch.Tensor, torch.Tensor] | None = None
         self._odc_generation = [0.0, 0]  # seconds and new tokens since the last optimizer step, this rank
         self._odc_window = {"wait": 0.0, "wait_max": 0.0, "gen_s": 0.0, "gen_tokens": 0, "steps": 0}
-        self.odc_microbatch_history: list[list[int]] = []  # microbatches per rank, every optimizer step
+        self.odc_microbatch_history = deque(maxlen=1000)  # microbatches per rank, recent optimizer steps
         if self.odc and self.ref_model is not None and self.args.sync_ref_model:
             raise ValueError("ds_odc: sync_ref_model=True is not tested with ODC yet; set sync_ref_model=False")
 
     # -- generation ---------------------------------------------------------------------------------------------------
     def _generate_single_turn(self, prompt_ids, images, multimodal_fields, num_generations, has_tool_images=False):
-        if not self.odc:
+        if not (self.odc and is_odc_engine(self.model_wrapped)):  # e.g. an inference-only engine before training
             return super()._generate_single_turn(prompt_ids, images, multimodal_fields, num_generations,
                                                  has_tool_images)
         gather = self.args.ds3_gather_for_generation
@@ -157,7 +157,7 @@ class OdcGRPOTrainer(GRPOTrainer):
             self._odc_generation[1] += sum(len(ids) for ids in completion_ids)
         return completion_ids, logprobs
 
-    # -- the step -------------------------------------------------------------------------------------------------------
+    # -- the step -----------------------------------------------------------------------------------------------------
     def training_step(self, model, inputs, num_items_in_batch=None):
         if not self.odc:
             return super().training_step(model, inputs, num_items_in_batch)

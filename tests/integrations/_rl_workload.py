@@ -2,7 +2,13 @@
 
 from __future__ import annotations
 
+import os
+import sys
+
 import torch
+
+sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", "..", "examples"))
+from toy_text import char_tokenizer  # noqa: E402,F401  (the examples' tokenizer: the tests train what they run)
 
 VOCAB = 256
 PAD = 0
@@ -29,17 +35,6 @@ def prompt_batch(lengths: list[int], seed: int) -> dict[str, torch.Tensor]:
         ids[row, width - n:] = torch.randint(1, VOCAB, (n,), generator=g)
         mask[row, width - n:] = 1
     return {"input_ids": ids, "attention_mask": mask}
-
-
-def char_tokenizer():
-    """A character-level tokenizer made in code (no hub access): pad 0, eos 1, unk 2, then printable ASCII."""
-    from tokenizers import Tokenizer, models, pre_tokenizers
-    from transformers import PreTrainedTokenizerFast
-    chars = [chr(c) for c in range(32, 127)]
-    vocab = {tok: i for i, tok in enumerate(["<pad>", "<eos>", "<unk>"] + chars)}
-    tok = Tokenizer(models.WordLevel(vocab, unk_token="<unk>"))
-    tok.pre_tokenizer = pre_tokenizers.Split("", "isolated")
-    return PreTrainedTokenizerFast(tokenizer_object=tok, pad_token="<pad>", eos_token="<eos>", unk_token="<unk>")
 
 
 def prompt_dataset(n: int, seed: int = 0):

@@ -76,7 +76,7 @@ def train(model_path: str, out: str, odc: bool, resume: str | None = None, **ove
     trainer.train(resume_from_checkpoint=resume)
     return {"loss": logged(trainer, "loss"), "params": full_params(trainer.model_wrapped),
             "optimizer": type(trainer.model_wrapped.optimizer).__name__,
-            "microbatches": getattr(trainer, "odc_microbatch_history", None),
+            "microbatches": list(getattr(trainer, "odc_microbatch_history", [])),
             "logs": [e for e in trainer.state.log_history if "loss" in e]}
 
 
@@ -87,8 +87,10 @@ def rel_loss_diff(a: list[float], b: list[float]) -> float:
 
 
 def compare(stock: dict, odc: dict) -> dict:
-    return {"loss_stock": stock["loss"], "loss_odc": odc["loss"], "loss_diff": rel_loss_diff(odc["loss"], stock["loss"]),
-            "param_diff": max_rel_diff(odc["params"], stock["params"]), "optimizers": [stock["optimizer"], odc["optimizer"]],
+    return {"loss_stock": stock["loss"], "loss_odc": odc["loss"],
+            "loss_diff": rel_loss_diff(odc["loss"], stock["loss"]),
+            "param_diff": max_rel_diff(odc["params"], stock["params"]),
+            "optimizers": [stock["optimizer"], odc["optimizer"]],
             "microbatches": odc["microbatches"]}
 
 
