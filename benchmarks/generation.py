@@ -107,14 +107,9 @@ def run_worker(args) -> dict:
     on_gpu = torch.cuda.is_available()
     if mode.startswith("odc"):
         import ds_odc  # noqa: F401
-    if on_gpu:
-        torch.cuda.set_device(0)
-        deepspeed.init_distributed()
-        device, dtype = torch.device("cuda", 0), torch.bfloat16
-    else:
-        from ds_odc.testing import init_cpu_distributed
-        init_cpu_distributed(timeout_s=120)
-        device, dtype = torch.device("cpu"), torch.float32
+    from ds_odc.distributed import init_distributed
+    init_distributed()
+    device, dtype = (torch.device("cuda", 0), torch.bfloat16) if on_gpu else (torch.device("cpu"), torch.float32)
     config = Qwen2Config(**SHAPES[args.model], max_position_embeddings=4096, pad_token_id=PAD, eos_token_id=EOS,
                          bos_token_id=None)
     torch.manual_seed(args.seed)

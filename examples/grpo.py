@@ -30,6 +30,7 @@ import re
 import torch
 
 import ds_odc  # noqa: F401  (teaches DeepSpeed the `odc` key before GRPOConfig and the model)
+from ds_odc.distributed import init_distributed, shutdown
 from toy_text import char_tokenizer  # examples/toy_text.py, next to this script
 
 PRESETS = {
@@ -103,13 +104,7 @@ def main():
     for key in ("max_new_tokens", "per_device_batch", "num_generations", "grad_accum"):
         if getattr(args, key) is None:
             setattr(args, key, preset[key])
-    from ds_odc.testing import init_cpu_distributed
-    if torch.cuda.is_available():
-        import deepspeed
-        torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", 0)))
-        deepspeed.init_distributed()
-    else:
-        init_cpu_distributed(timeout_s=600)
+    init_distributed()
     from transformers import AutoTokenizer
     from trl import GRPOConfig
 
@@ -150,8 +145,7 @@ def main():
         mode = "odc + lb-mini" if trainer.odc else "stock zero-3"
         print(f"done: {trainer.state.global_step} steps ({mode}), reward {logs[0]['reward']:.3f} -> "
               f"{logs[-1]['reward']:.3f}", flush=True)
-    from ds_odc.testing import finish
-    finish()
+    shutdown()
 
 
 if __name__ == "__main__":

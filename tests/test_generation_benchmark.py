@@ -7,7 +7,7 @@ from pathlib import Path
 
 import pytest
 
-from ds_odc.testing import cpu_env
+from _support.launch import cpu_env
 
 ROOT = Path(__file__).resolve().parent.parent
 pytestmark = pytest.mark.slow

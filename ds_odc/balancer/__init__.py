@@ -33,10 +33,9 @@ __all__ = [
     "lengths_from_dataset",
     "lengths_from_file",
     "PackedCollator",
-    "count_label_tokens",
 ]
 
-_LAZY = {"PackedCollator", "count_label_tokens"}
+_LAZY = {"PackedCollator"}
 
 
 def __getattr__(name: str) -> Any:

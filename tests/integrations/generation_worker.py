@@ -1,4 +1,4 @@
-"""Lockstep-free generation under ZeRO-3 + ODC, launched by test_generation.py through ``ds_odc.testing.launch``.
+"""Lockstep-free generation under ZeRO-3 + ODC, launched by test_generation.py through ``_support.launch.launch``.
 
 Every rank generates for its own prompts (its own batch size, prompt lengths, padding, new-token budget and EOS;
 the last rank of a 3-rank run has no prompts and runs no forward), greedy and sampled, with the KV cache, in both
@@ -15,7 +15,8 @@ import sys
 import torch
 
 import ds_odc  # noqa: F401  (installs the odc config key before any engine is built)
-from ds_odc.testing import emit, finish, init_cpu_distributed
+from _support.launch import emit, init_test_ranks
+from ds_odc.distributed import shutdown_and_exit
 
 HERE = os.path.dirname(__file__)
 sys.path.insert(0, HERE)
@@ -117,7 +118,7 @@ def error_checks(engine, stock_engine) -> dict:
 
 def main():
     zero_worker.count_collectives()
-    init_cpu_distributed(timeout_s=60)
+    init_test_ranks(timeout_s=60)
     import torch.distributed as dist
     from ds_odc.integrations.generation import residency_for
 
@@ -155,4 +156,4 @@ def main():
 
 if __name__ == "__main__":
     main()
-    finish()
+    shutdown_and_exit()

@@ -1,4 +1,4 @@
-"""OdcGRPOTrainer vs stock GRPOTrainer + stock ZeRO-3, launched by test_trl_grpo.py through ``ds_odc.testing.launch``.
+"""OdcGRPOTrainer vs stock GRPOTrainer + stock ZeRO-3, launched by test_trl_grpo.py through ``_support.launch.launch``.
 
 Both trainers get the same scripted completions (TRL's ``rollout_func``), so any difference comes from how the
 step is trained: ODC re-plans every step's rollouts across ranks with LB-Mini (uneven microbatch counts) and must
@@ -15,7 +15,8 @@ import sys
 import tempfile
 
 import ds_odc  # noqa: F401  (the `odc` key must parse before GRPOConfig / zero.Init)
-from ds_odc.testing import emit, finish, init_cpu_distributed
+from _support.launch import emit, init_test_ranks
+from ds_odc.distributed import shutdown_and_exit
 
 HERE = os.path.dirname(__file__)
 sys.path.insert(0, HERE)
@@ -170,10 +171,10 @@ def main():
     parser.add_argument("--resume", action="store_true")
     parser.add_argument("--local_rank", type=int, default=None)
     args = parser.parse_args()
-    init_cpu_distributed(timeout_s=120)
+    init_test_ranks(timeout_s=120)
     globals()[f"scenario_{args.scenario}"](args)
 
 
 if __name__ == "__main__":
     main()
-    finish()
+    shutdown_and_exit()

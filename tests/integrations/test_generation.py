@@ -6,7 +6,7 @@ import os
 
 import pytest
 
-from ds_odc.testing import launch
+from _support.launch import launch
 
 WORKER = os.path.join(os.path.dirname(__file__), "generation_worker.py")
 pytestmark = pytest.mark.slow

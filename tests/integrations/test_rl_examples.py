@@ -9,7 +9,7 @@ from pathlib import Path
 
 import pytest
 
-from ds_odc.testing import cpu_env
+from _support.launch import cpu_env
 
 pytest.importorskip("trl")
 pytestmark = pytest.mark.slow

@@ -6,7 +6,7 @@ import os
 
 import pytest
 
-from ds_odc.testing import launch
+from _support.launch import launch
 
 pytest.importorskip("trl")
 pytestmark = pytest.mark.slow
