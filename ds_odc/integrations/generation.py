@@ -110,8 +110,10 @@ def full_model_bytes(module: torch.nn.Module) -> int:
 
 
 def _free_device_bytes(device: torch.device) -> int:
+    """Free device memory, counting what PyTorch's caching allocator holds but does not use."""
     if device.type == "cuda":
-        return int(torch.cuda.mem_get_info(device)[0])
+        cached_unused = torch.cuda.memory_reserved(device) - torch.cuda.memory_allocated(device)
+        return int(torch.cuda.mem_get_info(device)[0] + cached_unused)
     import psutil
     return int(psutil.virtual_memory().available)
 
