@@ -100,6 +100,10 @@ CASES = {
     "dapo": {"loss_type": "dapo"},
     "bnpo": {"loss_type": "bnpo"},
     "dr_grpo": {"loss_type": "dr_grpo"},
+    "luspo": {"loss_type": "luspo"},
+    "sapo": {"loss_type": "sapo"},
+    "cispo": {"loss_type": "cispo"},
+    "vespo": {"loss_type": "vespo"},
     # KL to a reference model, two passes over each generation batch, and a generation batch of two optimizer steps
     "grpo_kl_iter2_spg4": {"loss_type": "grpo", "beta": 0.04, "num_iterations": 2, "steps_per_generation": 4,
                            "max_steps": 4},

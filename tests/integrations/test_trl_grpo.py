@@ -20,7 +20,8 @@ def two_ranks():
     return launch(WORKER, 2, ["equivalence", "--refusals", "--resume"], timeout=420).check().result
 
 
-@pytest.mark.parametrize("case", ["grpo", "dapo", "bnpo", "dr_grpo", "grpo_kl_iter2_spg4"])
+@pytest.mark.parametrize("case", ["grpo", "dapo", "bnpo", "dr_grpo", "luspo", "sapo", "cispo", "vespo",
+                                  "grpo_kl_iter2_spg4"])
 def test_loss_and_parameters_equal_stock_trl(two_ranks, case):
     result = two_ranks["cases"][case]
     assert result["optimizers"] == ["DeepSpeedZeroOptimizer_Stage3", "OdcOptimizer"]
