@@ -43,8 +43,6 @@ def check_deepspeed() -> None:
             (Stage3, "_post_step"),
             (Stage3, "_get_fp32_grad_state_partition"),
             (Stage3, "update_fp32_grad_for_param_vectorized"),
-            (Stage3, "set_full_hp_param"),
-            (Stage3, "set_local_hp_param"),
             (Coordinator, COORDINATOR_GATHER),
             (Coordinator, "reset_step"),
             (DeepSpeedEngine, "_configure_zero_optimizer"),
@@ -285,16 +283,6 @@ class Stage3Seams:
         # Why: as _get_fp32_grad_state_partition, for the vectorised update (it reads the partitions directly).
         self.odc.settle("updating gradients (safe_update_full_grad_vectorized)")
         return super().update_fp32_grad_for_param_vectorized(update_func, param_list)
-
-    def set_full_hp_param(self, value, param, optim_state_key=None):
-        # Why: with fp32 training the master partition is the shard peers read; publish the write.
-        super().set_full_hp_param(value, param, optim_state_key)
-        self.odc.publish_writes("safe_set_full_fp32_param / safe_set_full_optimizer_state")
-
-    def set_local_hp_param(self, value, param, optim_state_key=None):
-        # Why: as set_full_hp_param, for the local variant.
-        super().set_local_hp_param(value, param, optim_state_key)
-        self.odc.publish_writes("safe_set_local_fp32_param / safe_set_local_optimizer_state")
 
     def set_gradient_accumulation_boundary(self, is_boundary: bool) -> None:
         # Why: a rank with no microbatch declares its boundary only here; it must take part in early gradient reads.
