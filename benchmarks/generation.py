@@ -25,6 +25,7 @@ lockstep (ranks that finished wait for the slowest) is not visible on one device
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import os
 import subprocess
@@ -133,14 +134,21 @@ def run_worker(args) -> dict:
     model.eval()
 
     def context():
-        import contextlib
+
         if mode.startswith("odc"):
             from ds_odc.integrations.generation import lockstep_free
             return lockstep_free(engine, residency=mode.split("-")[1])
         if mode == "zero3-gather":
-            from ds_odc.integrations._engine_standins import resident_parameters
-            return resident_parameters(engine)  # the same mechanics as TRL's ds3_gather_for_generation
+            return full_model_gather(engine)  # the same mechanics as TRL's ds3_gather_for_generation
         return contextlib.nullcontext()
+
+    @contextlib.contextmanager
+    def full_model_gather(engine):
+        """Stock ZeRO-3's way to generate at full speed: all-gather the whole model (a collective), hooks off."""
+        from ds_odc.zero._deepspeed_privates import zero3_hooks_detached
+        params = [p for p in engine.module.parameters() if hasattr(p, "ds_id")]
+        with deepspeed.zero.GatheredParameters(params), zero3_hooks_detached(engine.optimizer.parameter_offload):
+            yield engine.module
 
     def generate(input_ids, attention_mask, lengths):
         kwargs = dict(max_new_tokens=max(lengths), do_sample=False, pad_token_id=PAD, eos_token_id=EOS,

@@ -32,7 +32,6 @@ from typing import Iterator
 
 import torch
 
-from ds_odc.integrations import _engine_standins as standins
 from ds_odc.ops.transport import OdcError
 
 __all__ = ["lockstep_free", "residency_for", "is_odc_engine", "collectives_forbidden", "LockstepError", "RESIDENCIES"]
@@ -50,6 +49,11 @@ _TORCH_COLLECTIVES = (
 _DEEPSPEED_COLLECTIVES = _TORCH_COLLECTIVES + (
     "allgather_fn", "reduce_scatter_fn", "inference_all_reduce",
 )
+
+
+def _zero_params(module: torch.nn.Module) -> list[torch.nn.Parameter]:
+    """The module's ZeRO-3-partitioned parameters (trainable and frozen)."""
+    return [p for p in module.parameters() if hasattr(p, "ds_id")]
 
 
 class LockstepError(OdcError):
@@ -106,7 +110,7 @@ def _require_odc(engine) -> None:
 
 def full_model_bytes(module: torch.nn.Module) -> int:
     """Bytes of one full copy of the module's ZeRO-3 parameters."""
-    return sum(p.ds_numel * p.ds_tensor.element_size() for p in standins.zero_params(module))
+    return sum(p.ds_numel * p.ds_tensor.element_size() for p in _zero_params(module))
 
 
 def _free_device_bytes(device: torch.device) -> int:
@@ -127,7 +131,7 @@ def residency_for(engine, residency: str = "auto", max_resident_bytes: int | Non
     module = engine.module
     need = full_model_bytes(module)
     if max_resident_bytes is None:
-        device = next((p.ds_tensor.device for p in standins.zero_params(module)), torch.device("cpu"))
+        device = next((p.ds_tensor.device for p in _zero_params(module)), torch.device("cpu"))
         max_resident_bytes = _free_device_bytes(device) // 2
     return "full" if need <= max_resident_bytes else "block"
 
@@ -172,6 +176,6 @@ def lockstep_free(engine, residency: str = "auto", max_resident_bytes: int | Non
     with contextlib.ExitStack() as stack:
         stack.enter_context(collectives_forbidden("lockstep-free generation"))
         if mode == "full":
-            stack.enter_context(standins.resident_parameters(engine))
+            stack.enter_context(engine.optimizer.odc_resident())
         stack.enter_context(_generate_unsynced(module))
         yield module

@@ -159,6 +159,21 @@ def bind_param_methods(param, state) -> None:
 
 
 @contextlib.contextmanager
+def zero3_hooks_detached(offload):
+    """Why: DeepSpeed's module hooks fetch and release each module's parameters around every forward; while a rank
+    keeps every parameter read for a whole ``generate`` call they must be off, and ``DeepSpeedZeRoOffload`` only
+    removes them for good (``destroy``). Re-registering invalidates the coordinator's trace, which the next training
+    forward records again (TRL's ``unwrap_model_for_generation`` does the same)."""
+    for hook in offload.forward_hooks + offload.backward_hooks:
+        hook.remove()
+    offload.forward_hooks, offload.backward_hooks = [], []
+    try:
+        yield
+    finally:
+        offload._register_deepspeed_module(offload.module)
+
+
+@contextlib.contextmanager
 def no_rank_consistency_asserts():
     """Why: the coordinator's ``reset_step`` compares its recorded module trace across ranks with collectives
     (``assert_ints_same_as_other_ranks``); with ODC ranks run different microbatches, so it would deadlock."""
