@@ -15,7 +15,7 @@ import sys
 import torch
 
 import ds_odc  # noqa: F401  (installs the odc config key before any engine is built)
-from _support.launch import emit, init_test_ranks
+from _support.launch import emit, expect_error, init_test_ranks
 from ds_odc.distributed import shutdown_and_exit
 
 HERE = os.path.dirname(__file__)
@@ -79,14 +79,6 @@ def generate_round(engine, reference, plan, rank, residency):
         if not torch.allclose(logits, expected_logits, rtol=1e-5, atol=1e-6):
             out["mismatch"].append(f"{name} eval logits differ by {float((logits - expected_logits).abs().max())}")
     return out
-
-
-def expect_error(fn) -> str:
-    try:
-        fn()
-    except Exception as err:  # noqa: BLE001 - the point is to report it
-        return f"{type(err).__name__}: {err}"
-    return "no error"
 
 
 def error_checks(engine, stock_engine) -> dict:

@@ -23,7 +23,7 @@ import torch
 import torch.distributed as dist
 
 import ds_odc  # noqa: F401
-from _support.launch import emit, init_test_ranks
+from _support.launch import emit, expect_error, init_test_ranks
 from ds_odc.distributed import shutdown_and_exit
 
 sys.path.insert(0, os.path.dirname(__file__))
@@ -182,14 +182,6 @@ def scenario_apis(args):
     dist.all_gather_object(gathered, out)
     if dist.get_rank() == 0:
         emit({"ranks": gathered})
-
-
-def expect_error(fn) -> str:
-    try:
-        fn()
-    except Exception as err:  # noqa: BLE001 - the point is to report it
-        return f"{type(err).__name__}: {err}"
-    return "no error"
 
 
 def scenario_refusals(args):
