@@ -113,6 +113,7 @@ def plan_minibatch(
     max_tokens: int | None = None,
     cost: "str | CostModel" = "tokens",
     oversize: str = "error",
+    split: "SplitPolicy | None" = None,
 ) -> Plan:
     """Plan one minibatch of samples with token counts ``lengths`` over ``world_size`` ranks.
 
@@ -126,7 +127,12 @@ def plan_minibatch(
         oversize: what to do with a sample longer than ``max_tokens``: ``"error"`` (raise), ``"truncate"``
             (train its first ``max_tokens`` tokens; listed in ``Plan.truncated``) or ``"skip"`` (leave it out;
             listed in ``Plan.skipped``).
+        split: with ``planner="lb-mini-sp"`` (LB-Mini plus sequence parallelism for giant samples, ODC only), how
+            samples may be split: a :class:`~ds_odc.balancer.sp.SplitPolicy` (see ``ds_odc.balancer.sp``).
     """
+    if planner == "lb-mini-sp":  # samples no rank can take alone go to groups of ranks (balancer/sp.py)
+        from .sp import plan_split
+        return plan_split(lengths, world_size, max_tokens=max_tokens, cost=cost, oversize=oversize, split=split)
     if planner not in PLANNERS:
         raise ValueError(f"unknown planner {planner!r}; choose one of {PLANNERS}")
     if oversize not in OVERSIZE_POLICIES:

@@ -38,7 +38,7 @@ from .presets import PRESETS, get_preset
 
 __all__ = ["SYNC_MODE", "StepResult", "simulate_step", "simulate", "main"]
 
-SYNC_MODE = {"local-sort": "collective", "lb-micro": "collective", "lb-mini": "odc"}
+SYNC_MODE = {"local-sort": "collective", "lb-micro": "collective", "lb-mini": "odc", "lb-mini-sp": "odc-sp"}
 
 
 @dataclass(frozen=True)
@@ -52,7 +52,11 @@ class StepResult:
 
 
 def step_time_of(plan: Plan, mb_costs: Sequence[Sequence[float]], sync: str) -> float:
-    """Step time of one plan under ``sync`` ("collective" or "odc") given per-microbatch costs."""
+    """Step time of one plan under ``sync`` ("collective", "odc", or "odc-sp": ODC whose split samples make their
+    groups meet) given per-microbatch costs."""
+    if sync == "odc-sp":
+        from .sp import split_step_time
+        return split_step_time(plan, mb_costs)
     if sync == "odc":
         return max((math.fsum(r) for r in mb_costs), default=0.0)
     slots = max((len(r) for r in mb_costs), default=0)
@@ -67,6 +71,7 @@ def simulate_step(
     planners: Iterable[str] = PLANNERS,
     oversize: str = "truncate",
     microbatch_overhead: float = 0.0,
+    split: "SplitPolicy | None" = None,
 ) -> dict[str, StepResult]:
     """Plan one minibatch with each planner and time it under the planner's sync mode. ``microbatch_overhead`` (cost
     units) is added to every microbatch's time but not told to the planners: the fixed host cost a runtime pays per
@@ -74,7 +79,8 @@ def simulate_step(
     cm = get_cost_model(cost)
     out = {}
     for name in planners:
-        plan = plan_minibatch(lengths, ranks, planner=name, max_tokens=max_tokens, cost=cm, oversize=oversize)
+        plan = plan_minibatch(lengths, ranks, planner=name, max_tokens=max_tokens, cost=cm, oversize=oversize,
+                              split=split)
         mbc = [[c + microbatch_overhead for c in r] for r in plan.microbatch_costs(cm, lengths)]
         out[name] = StepResult(
             planner=name,
@@ -107,6 +113,7 @@ def simulate(
     keep_steps: bool = False,
     microbatch_overhead: float = 0.0,
     in_order: bool = False,
+    split: "SplitPolicy | None" = None,
 ) -> dict:
     """Run ``steps`` minibatches; ``source`` is a preset name or a pool of lengths.  Returns the JSON summary.
 
@@ -130,7 +137,7 @@ def simulate(
         steps = min(steps, len(pool) // per_step)
     for step in range(steps):
         lengths = pool[step * per_step:(step + 1) * per_step] if in_order else _draw(pool, per_step, rng)
-        res = simulate_step(lengths, ranks, max_tokens, cm, planners, oversize, microbatch_overhead)
+        res = simulate_step(lengths, ranks, max_tokens, cm, planners, oversize, microbatch_overhead, split)
         eff = lengths if max_tokens is None or oversize != "truncate" else np.minimum(lengths, max_tokens)
         c = cm(eff)
         fair, biggest = float(c.sum()) / ranks, float(c.max())
@@ -232,9 +239,21 @@ def main(argv: Sequence[str] | None = None) -> int:
                     help="samples longer than --max-tokens (default truncate; counted in the output)")
     ap.add_argument("--json", action="store_true", help="print one JSON object and nothing else")
     ap.add_argument("--plot", help="PNG of per-rank busy/idle bars for the first step")
+    ap.add_argument("--split", action="store_true",
+                    help="also plan lb-mini-sp (ODC, giant samples split over groups of ranks with sequence "
+                         "parallelism); with --cost quadratic the groups follow the Qwen2.5-1.5B heads (12/2)")
+    ap.add_argument("--sp-efficiency", type=float, default=0.8,
+                    help="with --split: a sample split g ways takes 1/(g*E) of its time per member (default 0.8)")
+    ap.add_argument("--ranks-per-node", type=int, default=8, help="with --split: largest group (default 8)")
     args = ap.parse_args(argv)
 
     source = args.preset if args.preset else _read_lengths(args.lengths)
+    split, planners = None, PLANNERS
+    if args.split:
+        from .sp import SPLIT_PLANNER, SplitPolicy
+        options = dict(efficiency=args.sp_efficiency, ranks_per_node=args.ranks_per_node)
+        split = SplitPolicy.qwen2_1_5b(**options) if args.cost == "quadratic" else SplitPolicy(**options)
+        planners = PLANNERS + (SPLIT_PLANNER,)
     cost: "str | CostModel" = args.cost
     if args.cost == "fitted":
         if not args.cost_coeffs:
@@ -246,7 +265,8 @@ def main(argv: Sequence[str] | None = None) -> int:
         summary = simulate(source, ranks=args.ranks, minibatch_size=args.minibatch_size,
                            max_tokens=args.max_tokens or None, cost=cost, steps=args.steps, seed=args.seed,
                            oversize=args.oversize, keep_steps=bool(args.plot),
-                           microbatch_overhead=args.microbatch_overhead, in_order=args.in_order)
+                           microbatch_overhead=args.microbatch_overhead, in_order=args.in_order,
+                           planners=planners, split=split)
     except ValueError as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
