@@ -7,10 +7,12 @@ busy seconds, tokens, sum of squared sample lengths and microbatch count. A non-
 
     busy = a * tokens + b * sum(L^2) + c * microbatches + d
 
-(``d``: the per-step part every rank pays alike, such as the optimizer step) gives the per-sample cost
-``a*L + b*L^2 + c`` that ``--cost fitted --cost-coeffs a,b,c`` plans with, ``c`` being the fixed host and launch cost
-of a microbatch (one sample per microbatch). The fit needs rank-steps that differ in their mix of lengths and counts:
-several steps of an imbalanced workload, or runs of more than one planner.
+(``d``: the per-step part every rank pays alike, such as the optimizer step) gives the cost ``a*L + b*L^2`` per
+sample plus ``c`` per microbatch that ``--cost fitted --cost-coeffs a,b,c`` plans with, ``c`` being the fixed host
+and launch cost of a microbatch. The fit needs rank-steps that differ in their mix of lengths and counts: several
+steps of an imbalanced workload, or runs of more than one planner. This is the fit that ``cost="auto"`` (the
+default) makes online from the latest steps; run it by hand to check a run's automatic cost (the metrics file
+records the automatic cost of every step) or to fix a cost for a bit-reproducible run.
 """
 
 from __future__ import annotations
@@ -22,6 +24,8 @@ from pathlib import Path
 from typing import Sequence
 
 import numpy as np
+
+from .lsq import solve, stats_of
 
 COLUMNS = ("a (per token)", "b (per token^2)", "c (per microbatch)", "d (per step)")
 
@@ -42,22 +46,12 @@ def rank_steps(metrics: dict, warmup_steps: int = 1) -> np.ndarray:
 
 
 def fit(rows: np.ndarray) -> tuple[np.ndarray, float]:
-    """Non-negative coefficients (a, b, c, d) and the rms residual in seconds (small active-set NNLS)."""
-    X, y = rows[:, :4], rows[:, 4]
+    """Non-negative coefficients (a, b, c, d) and the rms residual in seconds (the same exactly rounded solver as
+    the automatic cost, without its prior)."""
     if len(rows) < 4:
         raise ValueError(f"{len(rows)} rank-steps: need at least 4 to fit 4 coefficients")
-    scale = np.abs(X).max(axis=0)
-    scale[scale == 0] = 1.0
-    active = list(range(4))
-    coef = np.zeros(4)
-    while active:
-        sol, *_ = np.linalg.lstsq(X[:, active] / scale[active], y, rcond=None)
-        if (sol >= 0).all():
-            coef[:] = 0.0
-            coef[active] = sol / scale[active]
-            break
-        active.pop(int(np.argmin(sol)))  # drop the most negative term and refit
-    rms = float(np.sqrt(np.mean((X @ coef - y) ** 2)))
+    coef = np.asarray(solve(stats_of(rows[:, 0], rows[:, 1], rows[:, 2], rows[:, 4])), dtype=np.float64)
+    rms = float(np.sqrt(np.mean((rows[:, :4] @ coef - rows[:, 4]) ** 2)))
     return coef, rms
 
 

@@ -2,7 +2,7 @@ import numpy as np
 import pytest
 from hypothesis import given, settings, strategies as st
 
-from ds_odc.balancer import PLANNERS, Plan, pack, plan_minibatch
+from ds_odc.balancer import PLANNERS, FittedCost, Plan, QuadraticCost, pack, plan_minibatch
 from ds_odc.balancer.presets import get_preset
 from ds_odc.balancer.simulate import SYNC_MODE, step_time_of
 
@@ -75,8 +75,9 @@ def test_rank_costs_and_microbatch_counts():
     plan = plan_minibatch(lengths, 2, planner="lb-mini", max_tokens=1000)
     assert sorted(plan.rank_costs("tokens", lengths)) == [500.0, 500.0]
     assert [plan.num_microbatches(r) for r in range(2)] == [1, 1]
-    q = plan.rank_costs("quadratic", lengths)
-    assert all(x > 0 for x in q)
+    q = plan.rank_costs(QuadraticCost(1.0, 1e-3, 50.0), lengths)  # + 50 for each rank's one microbatch
+    assert sorted(q) == pytest.approx(sorted([100 + 400 + 1e-3 * (100 ** 2 + 400 ** 2) + 50,
+                                              200 + 300 + 1e-3 * (200 ** 2 + 300 ** 2) + 50]))
     assert plan.num_label_tokens == 1000 - 4
 
 
