@@ -6,8 +6,6 @@ import copy
 
 import torch
 
-from ds_odc.loss import token_loss_sum
-
 VOCAB = 256
 
 
@@ -66,21 +64,24 @@ def ds_config(odc, *, gas: int = 1, clip: float = 0.0, managed: bool = True, lr:
 
 
 SGD_LR, SGD_MOMENTUM = 0.2, 0.9
+ADAMW = dict(lr=1e-2, betas=(0.9, 0.99), eps=1e-8, weight_decay=0.01)  # ds_config's "AdamW" with torch_adam
 
 
 def client_optimizer(params):
-    """The optimizer of reference comparisons. SGD, not Adam: Adam divides by the gradient's own magnitude, which
-    turns 1e-7 rounding differences in near-zero gradient coordinates into lr-sized update differences, so a
-    1e-5 parameter check after Adam measures that amplification, not the gradients."""
+    """The optimizer of reference comparisons. SGD, not Adam: Adam's update does not scale with the gradient, so the
+    fp32 rounding noise of a coordinate whose gradient nearly cancels (attention scores at random init) becomes an
+    update difference of the learning rate's order; under SGD it stays as small as the gradient."""
     return torch.optim.SGD(params, lr=SGD_LR, momentum=SGD_MOMENTUM)
 
 
-def reference_run(model, steps: int, num_samples: int, clip: float = 0.0, per_sample_mean: bool = False):
-    """Plain PyTorch, one process, SGD: the gradient of the global token-mean loss of every minibatch (or, with
-    ``per_sample_mean``, of the mean over samples of each sample's token mean: stock DeepSpeed's GAS semantics)."""
-    model = copy.deepcopy(model).to(DEVICE)
+def reference_run(model, steps: int, num_samples: int, clip: float = 0.0, per_sample_mean: bool = False,
+                  dtype: torch.dtype = torch.float32, optimizer: str = "sgd"):
+    """Plain PyTorch, one process: the gradient of the global token-mean loss of every minibatch (or, with
+    ``per_sample_mean``, of the mean over samples of each sample's token mean: stock DeepSpeed's GAS semantics).
+    ``dtype=torch.float64`` gives the exact answer both distributed runs are rounding approximations of."""
+    model = copy.deepcopy(model).to(DEVICE, dtype)
     params = [p for p in model.parameters() if p.requires_grad]
-    opt = client_optimizer(params)
+    opt = client_optimizer(params) if optimizer == "sgd" else torch.optim.AdamW(params, **ADAMW)
     losses = []
     for step in range(steps):
         samples = minibatch(step, num_samples)
@@ -89,7 +90,9 @@ def reference_run(model, steps: int, num_samples: int, clip: float = 0.0, per_sa
         total = 0.0
         for s in samples:
             norm = len(samples) * (s.numel() - 1) if per_sample_mean else n_tokens
-            loss = token_loss_sum(model(input_ids=s).logits.float(), s) / norm
+            logits = model(input_ids=s).logits
+            loss = torch.nn.functional.cross_entropy(logits[0, :-1].to(max(dtype, torch.float32, key=_width)),
+                                                     s[0, 1:], reduction="sum") / norm
             loss.backward()
             total += loss.item()
         if clip > 0:
@@ -99,21 +102,26 @@ def reference_run(model, steps: int, num_samples: int, clip: float = 0.0, per_sa
     return model, losses
 
 
-def full_params(engine_or_model) -> dict[str, torch.Tensor]:
+def _width(dtype: torch.dtype) -> int:
+    return torch.finfo(dtype).bits
+
+
+def full_params(engine_or_model, dtype: torch.dtype = torch.float32) -> dict[str, torch.Tensor]:
     """Full (unpartitioned) parameters by name; collective for ZeRO-3 engines."""
     import deepspeed
     module = getattr(engine_or_model, "module", engine_or_model)
     params = list(module.named_parameters())
     if params and hasattr(params[0][1], "ds_id"):
         with deepspeed.zero.GatheredParameters([p for _, p in params]):
-            return {n: p.detach().float().clone() for n, p in params}
-    return {n: p.detach().float().clone() for n, p in params}
+            return {n: p.detach().to(dtype).clone() for n, p in params}
+    return {n: p.detach().to(dtype).clone() for n, p in params}
+
+
+def rel_diff(a: torch.Tensor, b: torch.Tensor) -> float:
+    """||a - b|| / ||b|| in float64 (``b`` is the reference; it may live on another device)."""
+    a, b = a.double(), b.to(a.device).double()
+    return float((a - b).norm() / b.norm().clamp_min(1e-30))
 
 
 def max_rel_diff(a: dict, b: dict) -> float:
-    worst = 0.0
-    for name in a:
-        other = b[name].to(a[name].device)  # a reference built on the CPU against parameters on a GPU
-        diff = (a[name] - other).norm() / other.norm().clamp_min(1e-12)
-        worst = max(worst, float(diff))
-    return worst
+    return max(rel_diff(a[name], b[name]) for name in a)

@@ -20,10 +20,26 @@ def run(nproc, *args, timeout=240, launcher="torchrun"):
 
 
 def test_equal_counts_match_stock_zero3():
-    """Drop-in semantics: same GAS on every rank -> parameters after 3 AdamW steps equal stock ZeRO-3's."""
-    r = run(2, "equal")
+    """Drop-in semantics: same GAS on every rank -> the same parameters as stock ZeRO-3 after 3 steps, up to the fp32
+    rounding of summing gradients in another order. SGD keeps that rounding as small as the gradients it perturbs."""
+    r = run(2, "equal", "--optimizer", "sgd")
     assert r["optimizers"] == ["DeepSpeedZeroOptimizer_Stage3", "OdcOptimizer"]
-    assert r["max_rel_diff"] < 1e-6, r  # measured 5.4e-7 (fp32 reassociation of the gradient sums, through Adam)
+    assert r["max_rel_diff"] < 1e-6, r  # measured 1e-7 (AVX-512, AVX2 and scalar kernels)
+    assert r["odc_vs_ref"] < 1e-5 and r["stock_vs_ref"] < 1e-5, r  # both are fp32 approximations of the fp64 answer
+    assert max(abs(a - b) for a, b in zip(r["loss_stock"], r["loss_odc"])) < 1e-5
+
+
+def test_equal_counts_with_adam_are_as_close_to_the_exact_answer_as_stock():
+    """With AdamW, ODC and stock ZeRO-3 both land ~1e-5 from the fp64 answer: Adam's step does not scale with the
+    gradient, so a coordinate whose gradient nearly cancels (attention q/k at random init, 10x smaller than the rest)
+    turns fp32 rounding noise into update noise. Which side rounds closer depends on the CPU's kernels (measured
+    ODC/stock 1.5e-5/1.1e-5 with AVX2, 1.3e-5/1.3e-5 with AVX-512), so ODC is held to stock's accuracy, parameter by
+    parameter, rather than to stock itself."""
+    r = run(2, "equal", "--optimizer", "adamw")
+    assert r["odc_vs_ref"] < 2 * r["stock_vs_ref"], r  # measured ratio 1.0 (AVX-512, scalar) to 1.44 (AVX2)
+    for name, (stock, odc, _) in r["per_param"].items():  # measured per-parameter ratio up to 2.3 (scalar kernels)
+        assert odc < 3 * stock + 1e-6, (name, r["per_param"][name])
+    assert r["odc_vs_ref"] < 1e-4, r
     assert max(abs(a - b) for a, b in zip(r["loss_stock"], r["loss_odc"])) < 1e-5
 
 
@@ -83,9 +99,9 @@ def test_no_collectives_in_forward_and_backward():
 def test_bf16_matches_stock_and_fp32_reference():
     """bf16 on CPU (DeepSpeed allows it): ODC vs stock within bf16 resolution, and no further from an fp32 reference
     than stock is."""
-    r = run(2, "equal", "--bf16")
+    r = run(2, "equal", "--bf16", "--optimizer", "sgd", "--reference-dtype", "float32")
     assert r["max_rel_diff"] < 1e-2, r  # measured 3e-3 (bf16 spacing is 4e-3 relative)
-    assert r["odc_vs_fp32"] < 1.5 * r["stock_vs_fp32"] + 1e-3, r
+    assert r["odc_vs_ref"] < 1.5 * r["stock_vs_ref"] + 1e-3, r
 
 
 def test_late_rank_makes_fence_raise_naming_it():

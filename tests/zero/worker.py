@@ -19,7 +19,8 @@ from ds_odc.testing import emit, finish, init_cpu_distributed
 
 sys.path.insert(0, os.path.dirname(__file__))
 import _workload  # noqa: E402
-from _workload import client_optimizer, ds_config, full_params, max_rel_diff, minibatch, reference_run, tiny_llama  # noqa: E402
+from _workload import (client_optimizer, ds_config, full_params, max_rel_diff, minibatch, reference_run,  # noqa: E402
+                       rel_diff, tiny_llama)
 
 
 def rank_world():
@@ -67,14 +68,16 @@ def train_uneven(engine, counts, steps, managed=False, step_offset=0, stall=None
 
 
 def scenario_equal(args):
-    """Drop-in semantics: every rank runs the configured GAS; ODC must equal stock ZeRO-3. With --bf16 both run in
-    bf16 with SGD and are also compared with an fp32 single-process reference."""
+    """Drop-in semantics: every rank runs the configured GAS; ODC must equal stock ZeRO-3 up to fp32 rounding.
+    Both are also compared, parameter by parameter, with a single-process reference of the same minibatches in
+    ``--reference-dtype`` (float64: the exact answer both runs approximate; float32 for the bf16 runs)."""
     rank, world = rank_world()
     gas, steps = 2, 3
-    optimizer = "sgd" if args.bf16 else "adamw"
     results = {}
-    for name, odc in (("stock", None), ("odc", True)):
-        engine = build(tiny_llama(), ds_config(odc, gas=gas, clip=args.clip, bf16=args.bf16, optimizer=optimizer))
+    extra = {} if args.linear is None else {"memory_efficient_linear": args.linear == "deepspeed"}
+    for name, odc in (("stock", None), ("odc", {"enabled": True, "fetch_unit": args.fetch_unit})):
+        config = ds_config(odc, gas=gas, clip=args.clip, bf16=args.bf16, optimizer=args.optimizer, extra_zero=extra)
+        engine = build(tiny_llama(), config)
         losses = []
         for step in range(steps):
             samples = minibatch(step, gas * world)
@@ -85,15 +88,17 @@ def scenario_equal(args):
                 engine.step()
                 losses.append(loss.item())
         results[name] = (full_params(engine), losses, type(engine.optimizer).__name__)
-    out = {"max_rel_diff": max_rel_diff(results["odc"][0], results["stock"][0]),
-           "loss_stock": results["stock"][1], "loss_odc": results["odc"][1],
+    stock, odc = results["stock"][0], results["odc"][0]
+    # Sample order of the reference: step s's samples in index order, which is how ranks x GAS slots cover them.
+    dtype = getattr(torch, args.reference_dtype)
+    ref, _ = reference_run(tiny_llama(), steps, gas * world, clip=args.clip, per_sample_mean=True, dtype=dtype,
+                           optimizer=args.optimizer)
+    ref = full_params(ref, dtype)
+    per_param = {n: [rel_diff(stock[n], ref[n]), rel_diff(odc[n], ref[n]), rel_diff(odc[n], stock[n])] for n in ref}
+    out = {"max_rel_diff": max(v[2] for v in per_param.values()),
+           "stock_vs_ref": max(v[0] for v in per_param.values()), "odc_vs_ref": max(v[1] for v in per_param.values()),
+           "per_param": per_param, "loss_stock": results["stock"][1], "loss_odc": results["odc"][1],
            "optimizers": [results["stock"][2], results["odc"][2]]}
-    if args.bf16:
-        # Sample order of the reference: step s's samples in index order, which is how ranks x GAS slots cover them.
-        ref, _ = reference_run(tiny_llama(), steps, gas * world, clip=args.clip, per_sample_mean=True)
-        ref = full_params(ref)
-        out["stock_vs_fp32"] = max_rel_diff(results["stock"][0], ref)
-        out["odc_vs_fp32"] = max_rel_diff(results["odc"][0], ref)
     if rank == 0:
         emit(out)
 
@@ -263,6 +268,8 @@ def main():
     parser.add_argument("--timeout", type=float, default=10.0)
     parser.add_argument("--kill", action="store_true")
     parser.add_argument("--bf16", action="store_true")
+    parser.add_argument("--optimizer", choices=["adamw", "sgd"], default="adamw")
+    parser.add_argument("--reference-dtype", choices=["float64", "float32"], default="float64")
     parser.add_argument("--fetch-unit", default="block")
     parser.add_argument("--checkpointing", action="store_true", help="activation checkpointing (non-reentrant)")
     parser.add_argument("--linear", choices=["deepspeed", "torch"], help="memory_efficient_linear true / false")
