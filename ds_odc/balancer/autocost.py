@@ -198,14 +198,20 @@ class AutoCost:
         s = max((qy * n - q1 * h[3]) / det, 0.0) if det > 0.0 else 0.0
         target = (s * prior[0], s * prior[1], s * prior[2], (h[3] - s * q1) / n)
         # The prior counts like `prior_rows` rank-steps in every direction the data measures (a Zellner g-prior:
-        # the fit is the least-squares one shrunk toward the prior by prior_rows / (rows + prior_rows)), plus a
-        # hundredth of a row per coefficient, which decides what the data cannot tell apart (c from d while every
-        # rank runs the same number of microbatches) and otherwise changes nothing measurable.
+        # the fit is the least-squares one shrunk toward the prior by prior_rows / (rows + prior_rows)).
         g = self.prior_rows / n
         penalty = [g * G[k] for k in range(16)]
+        pulled = [math.fsum(penalty[4 * i + j] * target[j] for j in range(4)) for i in range(4)]
+        # What the data cannot tell apart at all is settled by a hundredth of a row per coefficient, toward the last
+        # fit (at first: the prior's shape, and no per-microbatch cost). So while every rank runs the same number
+        # of microbatches c stays what it was; before it was ever measured it is 0, which lets lb-mini try uneven
+        # counts, and those steps measure it.
+        hold = self._coef[:3] if self._coef is not None else (target[0], target[1], 0.0)
         for k in range(3):
-            penalty[5 * k] += 0.01 * G[5 * k] / n
-        a, b, c, d = solve(total, nonnegative=(True, True, True, False), penalty=penalty, target=target)
+            weight = 0.01 * G[5 * k] / n
+            penalty[5 * k] += weight
+            pulled[k] += weight * hold[k]
+        a, b, c, d = solve(total, penalty=penalty, pulled=pulled)  # all four non-negative, as the hand fit
         return a, b, c, d
 
     # -- checkpoints -----------------------------------------------------------------------------------------------

@@ -61,7 +61,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     p.add_argument("--warmup-steps", type=int, default=1, help="leading steps of each file to leave out")
     args = p.parse_args(argv)
     try:
-        rows = np.concatenate([rank_steps(json.loads(Path(f).read_text()), args.warmup_steps) for f in args.metrics])
+        runs = [json.loads(Path(f).read_text()) for f in args.metrics]
+        rows = np.concatenate([rank_steps(run, args.warmup_steps) for run in runs])
         coef, rms = fit(rows)
     except (ValueError, KeyError) as err:
         print(f"ds_odc.balancer.fit: {err}", file=sys.stderr)
@@ -71,12 +72,27 @@ def main(argv: Sequence[str] | None = None) -> int:
         print("warning: every rank-step ran the same number of microbatches, so c (per microbatch) and d (per step) "
               "cannot be told apart; add a run whose ranks run different counts (e.g. --balancer lb-mini)",
               file=sys.stderr)
-    for name, value in zip(COLUMNS, coef):
-        print(f"{name:<20} {value:.4g}")
+    automatic = [automatic_cost(run) for run in runs]
+    print(f"{'':<20} {'this fit':>11}" + "".join(f" {'automatic' + (f' ({i})' if len(runs) > 1 else ''):>13}"
+                                                for i, a in enumerate(automatic) if a))
+    for k, (name, value) in enumerate(zip(COLUMNS, coef)):
+        print(f"{name:<20} {value:>11.4g}" + "".join(f" {a['abcd'[k]]:>13.4g}" for a in automatic if a))
     print(f"rank-steps {len(rows)}, busy {busy.mean():.3f} s on average, rms residual {rms:.3f} s "
           f"({rms / busy.mean():.1%})")
+    if any(automatic):
+        print("(automatic: the cost the run itself had fitted after its last step, from its latest steps, with the "
+              "model-shape prior and outlier steps left out)")
     print(f"--cost fitted --cost-coeffs {coef[0]:.4g},{coef[1]:.4g},{coef[2]:.4g}")
     return 0
+
+
+def automatic_cost(metrics: dict) -> dict | None:
+    """The automatic cost a run recorded after its last step (``cost="auto"``), if it fitted one."""
+    for step in reversed(metrics.get("steps", [])):
+        cost = step.get("cost")
+        if cost and cost.get("fitted"):
+            return cost
+    return None
 
 
 if __name__ == "__main__":

@@ -81,21 +81,21 @@ def residual_ss(stats: Stats, coef: Sequence[float]) -> float:
 
 
 def solve(stats: Stats, *, nonnegative: Sequence[bool] = (True,) * 4, penalty: Sequence[float] = (0.0,) * 16,
-          target: Sequence[float] = (0.0,) * 4) -> tuple[float, ...]:
-    """Minimise ``|X c - y|^2 + (c - target)' P (c - target)`` with ``c_k >= 0`` where ``nonnegative[k]``.
+          pulled: Sequence[float] = (0.0,) * 4) -> tuple[float, ...]:
+    """Minimise ``|X c - y|^2 + c' P c - 2 c' q`` with ``c_k >= 0`` where ``nonnegative[k]``.
 
-    ``penalty``: ``P``, 4x4 row-major (symmetric, positive semi-definite). Active set: solve, then fix the most
-    negative constrained coefficient at 0 and solve again. Columns are scaled to unit norm first (``S`` is ~1e10
-    where ``M`` is ~1), and a 1e-12 relative ridge keeps exactly collinear columns solvable.
+    ``penalty``: ``P``, 4x4 row-major (symmetric, positive semi-definite); ``pulled``: ``q = P t`` for a pull toward
+    ``t`` (sums of such pulls add up). Active set: solve, then fix the most negative constrained coefficient at 0
+    and solve again. Columns are scaled to unit norm first (``S`` is ~1e10 where ``M`` is ~1), and a 1e-12
+    relative ridge keeps exactly collinear columns solvable.
     """
     G, h = stats.G, stats.h
-    P, t = penalty, target
+    P = penalty
     scale = [math.sqrt(G[5 * k] + P[5 * k]) or 1.0 for k in range(4)]
-    Pt = [sum(P[4 * i + j] * t[j] for j in range(4)) for i in range(4)]
     free = list(range(4))
     while True:
         A = [[(G[4 * i + j] + P[4 * i + j]) / (scale[i] * scale[j]) for j in free] for i in free]
-        rhs = [(h[i] + Pt[i]) / scale[i] for i in free]
+        rhs = [(h[i] + pulled[i]) / scale[i] for i in free]
         for r in range(len(free)):
             A[r][r] += 1e-12
         x = _gauss(A, rhs)
