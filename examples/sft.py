@@ -55,11 +55,13 @@ def parse_args(argv=None):
     p.add_argument("--length-scale", type=float, default=1.0, help="multiply preset lengths (tiny CPU runs)")
     p.add_argument("--equal-lengths", type=int, default=None, help="every sample this long (no-regression runs)")
     p.add_argument("--balancer", default="lb-mini", choices=["local-sort", "lb-micro", "lb-mini"])
-    p.add_argument("--cost", default="tokens", choices=["tokens", "quadratic", "fitted"],
-                   help="balancer cost model; quadratic: a*L + b*L^2 from the model's shape; fitted: --cost-coeffs")
+    p.add_argument("--cost", default="auto", choices=["auto", "tokens", "quadratic", "fitted"],
+                   help="balancer cost model; auto (default): refitted every step from the measured busy times, "
+                        "starting from the model's shape; quadratic: a*L + b*L^2 from the model's shape; fitted: "
+                        "--cost-coeffs")
     p.add_argument("--cost-coeffs", default=None, metavar="A,B,C",
-                   help="fitted cost a*L + b*L^2 + c per sample (c: the fixed cost of a microbatch when each sample "
-                        "is one; see docs/BENCHMARKS.md for measured values)")
+                   help="fitted cost a*L + b*L^2 per sample + c per microbatch (e.g. from python -m "
+                        "ds_odc.balancer.fit RUN.json)")
     p.add_argument("--minibatch-size", type=int, default=4, help="samples per rank per optimizer step")
     p.add_argument("--max-tokens", type=int, default=None, help="token budget per microbatch (default: 1 sample)")
     p.add_argument("--oversize", default="error", choices=["error", "truncate", "skip"],
@@ -81,6 +83,7 @@ def parse_args(argv=None):
                    help="profile this step (torch profiler): host vs device time, top ops, Chrome trace")
     p.add_argument("--profile-dir", default="profile", help="where --profile-step writes its files")
     p.add_argument("--timeline", help="draw per-rank busy/wait bars of the last steps to this PNG")
+    p.add_argument("--quiet", action="store_true", help="no progress bar and no summary lines")
     p.add_argument("--local_rank", type=int, default=None)  # the deepspeed launcher passes it
     return p.parse_args(argv)
 
@@ -123,7 +126,7 @@ def cost_model(args, model_config):
             sys.exit("--cost fitted needs --cost-coeffs A,B,C (cost = A*L + B*L^2 + C)")
         a, b, c = (float(x) for x in args.cost_coeffs.split(","))
         return FittedCost(a=a, b=b, c=c)
-    return "tokens"
+    return args.cost  # "auto" or "tokens"
 
 
 def build_model(args, ds_config: dict, device: torch.device):
@@ -171,14 +174,25 @@ def configure_sdpa(backends: str | None) -> None:
 def main(argv=None):
     args = parse_args(argv)
     configure_sdpa(args.sdpa_backends)
-    import deepspeed
-    import torch.distributed as dist
+    init_distributed()
+    train(args)
+    finish()
 
+
+def init_distributed() -> None:
+    import deepspeed
     if os.environ.get("DS_ACCELERATOR") == "cpu" or not torch.cuda.is_available():
         init_cpu_distributed(timeout_s=300)
     else:
         torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", 0)))
         deepspeed.init_distributed()
+
+
+def train(args) -> dict | None:
+    """One training run in an initialised process group; returns the metrics (rank 0) that --metrics-json writes."""
+    import deepspeed
+    import torch.distributed as dist
+
     rank, world = dist.get_rank(), dist.get_world_size()
     device = torch.device("cuda", torch.cuda.current_device()) if torch.cuda.is_available() else torch.device("cpu")
 
@@ -204,7 +218,10 @@ def main(argv=None):
     cost = cost_model(args, model.config)
     sampler = BalancedBatchSampler(lengths.tolist(), world_size=world, rank=rank, minibatch_size=args.minibatch_size,
                                    max_tokens=args.max_tokens, planner=args.balancer, seed=args.seed,
-                                   shuffle=not args.no_shuffle, cost=cost, oversize=args.oversize)
+                                   shuffle=not args.no_shuffle, cost=cost, oversize=args.oversize,
+                                   model_config=model.config)
+    if rank == 0 and sampler.data_report.message():
+        print(sampler.data_report.message(), flush=True)
     collate = PackedCollator()
 
     def sample_ids(j: int) -> torch.Tensor:
@@ -215,7 +232,8 @@ def main(argv=None):
     progress = None
     if rank == 0:
         from tqdm import tqdm
-        progress = tqdm(total=steps, desc=f"{'odc' if odc_on else 'stock'}+{args.balancer}", dynamic_ncols=True)
+        progress = tqdm(total=steps, desc=f"{'odc' if odc_on else 'stock'}+{args.balancer}", dynamic_ncols=True,
+                        disable=getattr(args, "quiet", False))
     clock = StepClock()
     profile = None
     for step, batch in zip(range(steps), sampler):
@@ -223,15 +241,13 @@ def main(argv=None):
         profiling = (profile_step(args.profile_dir, rank, decoder_layers(model))
                      if step == args.profile_step else contextlib.nullcontext())
         clock.start()
-        loss_share, tokens, sq_tokens = 0.0, 0, 0
+        loss_share = 0.0
         k = len(batch.microbatches)
         with profiling as profiled:
             for i, mb in enumerate(batch.microbatches):
                 samples = [{"input_ids": sample_ids(j)[:args.max_tokens] if j in batch.truncated else sample_ids(j)}
                            for j in mb]
                 row = {key: t.to(device) for key, t in collate(samples).items()}
-                tokens += row["input_ids"].numel()
-                sq_tokens += sum(len(s["input_ids"]) ** 2 for s in samples)
                 engine.set_gradient_accumulation_boundary(i == k - 1)
                 logits = engine(input_ids=row["input_ids"], position_ids=row["position_ids"]).logits
                 loss = token_loss_sum(logits, row["labels"]) * weight
@@ -244,9 +260,12 @@ def main(argv=None):
                 engine.step()
         if profiled is not None:
             profile = profiled
-        clock.compute_done()
         busy, step_time = clock.finish(getattr(engine.optimizer, "odc_wait_s", 0.0))
+        tokens, sq_tokens = sampler.load(batch.microbatches)
         record = gather_step(loss_share, busy, step_time, k, tokens, batch.num_samples, sq_tokens=sq_tokens)
+        if step != args.profile_step:  # the profiler's own overhead is no cost of the plan
+            update = sampler.observe(record)
+            record.cost = update.as_dict() if update else None
         records.append(record)
         if progress is not None:
             progress.set_postfix(loss=f"{record.loss:.4f}", samples_s=f"{record.samples_per_s:.2f}",
@@ -255,23 +274,33 @@ def main(argv=None):
     if progress is not None:
         progress.close()
 
+    out = None
     if rank == 0:
         summary = summarize(records, args.warmup_steps, world, untimed=[args.profile_step])
         total_time = summary["time_s"]
         config = {k: v for k, v in vars(args).items() if k != "local_rank"}
         config.update(world_size=world, odc=odc_on, device=str(device), deepspeed_version=deepspeed.__version__)
-        out = {"config": config, "steps": [r.as_dict() for r in records], "summary": summary}
+        out = {"config": config, "data": sampler.data_report.as_dict(), "steps": [r.as_dict() for r in records],
+               "summary": summary}
         if profile:
             out["profile_rank0"] = profile
             print(f"profile of step {args.profile_step} (rank 0): {describe(profile)}; files in "
                   f"{args.profile_dir}/", flush=True)
         if args.metrics_json:
             Path(args.metrics_json).write_text(json.dumps(out, indent=1))
-        print(f"summary: loss {summary['final_loss']:.5f}  samples/s {summary['samples_per_s']:.3f}  "
-              f"bubble {summary['bubble_rate']:.1%}  time {total_time:.2f}s", flush=True)
+        if not getattr(args, "quiet", False):
+            print(f"summary: loss {summary['final_loss']:.5f}  samples/s {summary['samples_per_s']:.3f}  "
+                  f"bubble {summary['bubble_rate']:.1%}  time {total_time:.2f}s", flush=True)
+            fitted = next((r.cost for r in reversed(records) if r.cost and r.cost["fitted"]), None)
+            if fitted:
+                print(f"automatic cost: {fitted['a']:.3g} s/token + {fitted['b']:.3g} s/token^2 + {fitted['c']:.3g} s "
+                      f"per microbatch (+ {fitted['d']:.3g} s per step); last step predicted "
+                      f"{fitted['predicted_step_s'] or float('nan'):.3f} s busy, measured "
+                      f"{fitted['measured_step_s']:.3f} s", flush=True)
         if args.timeline:
             draw_timeline(records[-min(len(records), 4):], args.timeline)
-    finish()
+    engine.destroy()
+    return out
 
 
 def decoder_layers(model) -> list:
