@@ -260,6 +260,11 @@ def _lb_mini(act: list[int], lens: list[int], costs: list[float], fixed: float, 
             parts = equal
     shares = _RankPacking(parts, lens, costs, fixed, T)
     if T is not None and fixed > 0.0:
+        # The shares are an estimate of the packed counts; the split that ignores them packs differently and is
+        # sometimes better: keep whichever packs to the lower true makespan, then rebalance it.
+        plain = _RankPacking(partition(costs, W), lens, costs, fixed, T)
+        if plain.makespan() < shares.makespan():
+            shares = plain
         shares.rebalance(max_evals=W // 2 + 16)  # bounded: ~30% of the plan's time at 512 ranks
     return [[[act[j] for j in mb] for mb in local] for local in shares.microbatches()]
 
