@@ -2,17 +2,25 @@
 
     python benchmarks/e2e.py --model qwen2.5-1.5b --workload longtail --nproc 2 --out results/
 
-Workloads (the lengths of shared/design/baselines.md: 4 samples per rank per minibatch, 1 warm-up + 4 timed):
+Workloads (4 samples per rank per minibatch, 1 warm-up + 4 timed):
   longtail         clamp(exp(ln 8000 + 0.8 N(0,1)), 1024, 32768) from torch.Generator().manual_seed(0), one
                    sample per microbatch
-  longtail-packed  the same lengths; lb-micro and lb-mini pack samples into microbatches of up to 64k tokens
+  longtail-packed  the same lengths; the planners pack samples into padding-free rows of up to 64k tokens
   equal            every sample 8192 tokens (the no-regression check)
   long-sft         the balancer's long-context preset (8k floor, median ~16k, up to 64k), one sample per microbatch
 At other rank counts (--nproc) every workload keeps 4 samples per rank per minibatch.
 Modes: stock+local-sort, stock+lb-micro, stock-blocks+lb-micro (stock ZeRO-3 with the block fetch and plain linear
-that ODC defaults to), odc+lb-micro, odc+lb-mini (ZeRO-3 via examples/sft.py) and fsdp2
-(benchmarks/fsdp2_sft.py, local-sort). Each runs in its own torchrun launch; the table compares samples/s measured
-in this one call (ratios, not absolute times, are what carry over between machines).
+that ODC defaults to), odc+lb-micro, odc+lb-mini (ZeRO-3 via examples/sft.py), fsdp2 (benchmarks/fsdp2_sft.py,
+local-sort) and plain (benchmarks/fsdp2_sft.py --engine plain: unsharded training on one GPU, --nproc 1 only).
+A mode takes options after slashes: ``/packed`` or ``/unpacked`` (override the workload's packing; packed rows of
+a local-sort mode are planned by lb-micro) and an attention implementation (``/sdpa``, ``/flex_attention``; default
+ds_odc_varlen), e.g. ``odc+lb-mini/unpacked/sdpa``. Each runs in its own torchrun launch; the table compares
+samples/s measured in this one call (ratios, not absolute times, are what carry over between machines).
+
+The packed table on one GPU (ODC packed vs unpacked vs FSDP2 vs plain; cuDNN's sdpa as the "before" of the
+per-layer host time):
+
+    python benchmarks/e2e.py --nproc 1 --workload longtail-packed --profile --out results/
 """
 
 from __future__ import annotations
@@ -39,12 +47,32 @@ MODES = {
     "odc+lb-micro": ("sft", "zero3_odc_bf16.json", "lb-micro"),
     "odc+lb-mini": ("sft", "zero3_odc_bf16.json", "lb-mini"),
     "fsdp2": ("fsdp2", None, "local-sort"),
+    "plain": ("plain", None, "local-sort"),
 }
+PACKED_TABLE = ["odc+lb-mini", "odc+lb-mini/unpacked", "fsdp2/unpacked", "plain", "plain/unpacked",
+                "odc+lb-mini/unpacked/sdpa", "fsdp2/unpacked/sdpa"]
+ATTENTION_OPTIONS = {"ds_odc_varlen", "sdpa", "eager", "flex_attention", "flash_attention_2"}
+
+
+def parse_mode(mode: str, workload: str) -> tuple[str, bool, str]:
+    """``NAME[/packed|/unpacked][/ATTENTION]`` -> (name, packed, attention implementation)."""
+    name, *options = mode.split("/")
+    if name not in MODES:
+        raise SystemExit(f"unknown mode {name!r}; choose from {sorted(MODES)}")
+    packed, attn = workload == "longtail-packed", "ds_odc_varlen"
+    for option in options:
+        if option in ("packed", "unpacked"):
+            packed = option == "packed"
+        elif option in ATTENTION_OPTIONS:
+            attn = option
+        else:
+            raise SystemExit(f"mode {mode!r}: unknown option {option!r} (packed, unpacked, {sorted(ATTENTION_OPTIONS)})")
+    return name, packed, attn
 
 
 def write_lengths(workload: str, minibatches: int, path: Path, scale: float = 1.0, nproc: int = 2) -> None:
     """4 samples per rank per minibatch. longtail draws them in order from one generator, so at 2 ranks these are
-    exactly baselines.md's lengths."""
+    the lengths every 2-rank result in docs/BENCHMARKS.md was measured on."""
     per_minibatch = 4 * nproc
     if workload == "equal":
         lengths = [8192] * (per_minibatch * minibatches)
@@ -59,14 +87,23 @@ def write_lengths(workload: str, minibatches: int, path: Path, scale: float = 1.
 
 
 def run(mode: str, args, lengths: Path, out: Path) -> dict:
-    script, config, balancer = MODES[mode]
-    metrics = out / f"{args.model}-{args.workload}-{mode}.json"
+    name, packed, attn = parse_mode(mode, args.workload)
+    script, config, balancer = MODES[name]
+    if packed and balancer == "local-sort":
+        balancer = "lb-micro"
+    if script == "plain" and args.nproc != 1:
+        print(f"  {mode}: skipped (plain training runs at --nproc 1 only)", flush=True)
+        return {"mode": mode, "failed": True}
+    slug = mode.replace("/", "-")
+    metrics = out / f"{args.model}-{args.workload}-{slug}.json"
     cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={args.nproc}",
            str(ROOT / ("examples/sft.py" if script == "sft" else "benchmarks/fsdp2_sft.py")),
            "--model", args.model, "--lengths-file", str(lengths), "--no-shuffle", "--balancer", balancer,
            "--minibatch-size", "4", "--steps", str(args.steps + args.profile), "--warmup-steps", "1",
-           "--gradient-checkpointing",
+           "--gradient-checkpointing", "--attn-implementation", attn,
            "--metrics-json", str(metrics), "--cost", args.cost]
+    if script == "plain":
+        cmd += ["--engine", "plain"]
     if args.cost_coeffs:
         cmd += ["--cost-coeffs", args.cost_coeffs]
     if config:
@@ -74,10 +111,10 @@ def run(mode: str, args, lengths: Path, out: Path) -> dict:
     if args.sdpa_backends:
         cmd += ["--sdpa-backends", args.sdpa_backends]
     if args.profile:
-        cmd += ["--profile-step", str(args.steps), "--profile-dir", str(out / f"profile-{args.model}-{mode}")]
-    if args.workload == "longtail-packed" and balancer != "local-sort":
+        cmd += ["--profile-step", str(args.steps), "--profile-dir", str(out / f"profile-{args.model}-{slug}")]
+    if packed:
         cmd += ["--max-tokens", str(max(2, round(65536 * args.scale)))]
-    log = out / f"{args.model}-{args.workload}-{mode}.log"
+    log = out / f"{args.model}-{args.workload}-{slug}.log"
     started = time.monotonic()
     with open(log, "w") as f:
         proc = subprocess.run(cmd, stdout=f, stderr=subprocess.STDOUT, timeout=args.run_timeout,
@@ -101,7 +138,11 @@ def main():
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--model", default="qwen2.5-1.5b")
     p.add_argument("--workload", default="longtail", choices=["longtail", "longtail-packed", "equal", "long-sft"])
-    p.add_argument("--modes", default=",".join(MODES))
+    p.add_argument("--modes", default=None,
+                   help=f"comma list (default: every mode; for longtail-packed: {','.join(PACKED_TABLE)})")
+    p.add_argument("--compare-to", default=None,
+                   help="modes the table gives ratios against (default: stock+lb-micro,fsdp2; for longtail-packed: "
+                        "odc+lb-mini/unpacked,fsdp2/unpacked,plain)")
     p.add_argument("--nproc", type=int, default=2)
     p.add_argument("--steps", type=int, default=5)
     p.add_argument("--out", default="e2e_results")
@@ -114,6 +155,10 @@ def main():
                    help="run one more minibatch under the torch profiler (not timed): host vs device time per layer")
     p.add_argument("--scale", type=float, default=1.0, help="scale all lengths (CPU smoke runs with --model tiny)")
     args = p.parse_args()
+    packed_table = args.workload == "longtail-packed"
+    args.modes = args.modes or ",".join(PACKED_TABLE if packed_table else [m for m in MODES if m != "plain"])
+    args.compare_to = args.compare_to or ("odc+lb-mini/unpacked,fsdp2/unpacked,plain" if packed_table
+                                          else "stock+lb-micro,fsdp2")
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
     lengths = out / f"lengths-{args.workload}.txt"
@@ -126,24 +171,25 @@ def main():
             continue
         results[mode] = run(mode, args, lengths, out)
     ok = {m: r for m, r in results.items() if not r.get("failed")}
-    base, fsdp = ok.get("stock+lb-micro"), ok.get("fsdp2")
+    references = [m for m in args.compare_to.split(",") if m in ok]
     print(f"\n{args.model} / {args.workload} ({args.nproc} ranks; timed minibatches 2-{args.steps})")
-    print(f"{'mode':<18}{'samples/s/dev':>14}{'tokens/s':>11}{'bubble':>8}{'peak GiB':>9}{'vs stock+lb-micro':>18}"
-          f"{'vs FSDP2':>9}")
+    print(f"{'mode':<28}{'samples/s/dev':>14}{'tokens/s':>11}{'bubble':>8}{'peak GiB':>9}"
+          + "".join(f"{'vs ' + m:>{max(12, len(m) + 5)}}" for m in references))
     for mode, r in ok.items():
-        vs_base = f"{r['samples_per_s'] / base['samples_per_s']:.2f}x" if base else "-"
-        vs_fsdp = f"{r['samples_per_s'] / fsdp['samples_per_s']:.2f}x" if fsdp else "-"
-        print(f"{mode:<18}{r['samples_per_s_per_device']:>14.3f}{r['tokens_per_s']:>11.0f}{r['bubble_rate']:>8.1%}"
-              f"{r['peak_mem_bytes'] / 2**30:>9.1f}{vs_base:>18}{vs_fsdp:>9}")
+        ratios = "".join(f"{r['samples_per_s'] / ok[m]['samples_per_s']:>{max(12, len(m) + 5) - 1}.2f}x"
+                         for m in references)
+        print(f"{mode:<28}{r['samples_per_s_per_device']:>14.3f}{r['tokens_per_s']:>11.0f}{r['bubble_rate']:>8.1%}"
+              f"{r['peak_mem_bytes'] / 2**30:>9.1f}{ratios}")
     profiled = {m: r["profile"] for m, r in ok.items() if r.get("profile")}
     if profiled:
         print(f"\nprofile of one more minibatch (rank 0, not timed above; files in {out}/profile-*)")
-        print(f"{'mode':<18}{'wall s':>8}{'dev busy':>9}{'dev idle':>9}   per layer forward: {'calls':>6}"
+        print(f"{'mode':<28}{'wall s':>8}{'dev busy':>9}{'busy %':>7}   per layer forward: {'calls':>6}"
               f"{'host ms':>9}{'dev busy ms':>12}{'dev span ms':>12}")
-        for mode, p in profiled.items():
-            print(f"{mode:<18}{p['wall_s']:>8.2f}{p['device_busy_s']:>9.2f}{p['device_idle_s']:>9.2f}{'':>22}"
-                  f"{p.get('layer_forward_calls', 0):>6}{p.get('layer_forward_host_ms', 0):>9.2f}"
-                  f"{p.get('layer_forward_device_ms', 0):>12.2f}{p.get('layer_forward_device_span_ms', 0):>12.2f}")
+        for mode, prof in profiled.items():
+            busy = prof['device_busy_s'] / prof['wall_s'] if prof['wall_s'] else 0.0
+            print(f"{mode:<28}{prof['wall_s']:>8.2f}{prof['device_busy_s']:>9.2f}{busy:>7.0%}{'':>22}"
+                  f"{prof.get('layer_forward_calls', 0):>6}{prof.get('layer_forward_host_ms', 0):>9.2f}"
+                  f"{prof.get('layer_forward_device_ms', 0):>12.2f}{prof.get('layer_forward_device_span_ms', 0):>12.2f}")
     (out / f"{args.model}-{args.workload}.json").write_text(json.dumps(results, indent=1))
 
 

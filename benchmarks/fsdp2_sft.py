@@ -1,8 +1,10 @@
-"""Plain PyTorch FSDP2 on the same samples as examples/sft.py: the peer users would otherwise switch to.
+"""Plain PyTorch on the same samples as examples/sft.py: FSDP2 (what users would otherwise switch to) or, on one
+GPU, unsharded training (the bound no sharded engine can beat).
 
-``fully_shard`` per decoder layer and the root, bf16 parameters with fp32 gradient reduction, a reduce-scatter per
-microbatch, fused AdamW; the same sampler (collective planners only), loss weighting and metrics as sft.py, so
-their ``--metrics-json`` files compare directly.
+``--engine fsdp2`` (default): ``fully_shard`` per decoder layer and the root, bf16 parameters with fp32 gradient
+reduction, a reduce-scatter per microbatch, fused AdamW. ``--engine plain``: one rank, the model's parameters in
+bf16 on the GPU (fp32 on CPU), fused AdamW, no sharding and no communication. Both use the same sampler (collective
+planners only for FSDP2), attention, loss and metrics as sft.py, so their ``--metrics-json`` files compare directly.
 
     torchrun --standalone --nproc_per_node 2 benchmarks/fsdp2_sft.py --model qwen2.5-1.5b \\
         --lengths-file lengths.txt --no-shuffle --balancer local-sort --steps 5 --warmup-steps 1
@@ -13,60 +15,63 @@ from __future__ import annotations
 import contextlib
 import json
 import os
-import sys
 from pathlib import Path
 
 import torch
 import torch.distributed as dist
 
-sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "examples"))
-from sft import (MODEL_PRESETS, configure_sdpa, cost_model, decoder_layers, load_lengths, parse_args,  # noqa: E402
-                 sample_tokens)
-
-from ds_odc.balancer.collate import PackedCollator  # noqa: E402
-from ds_odc.balancer.sampler import BalancedBatchSampler  # noqa: E402
-from ds_odc.loss import global_mean_weight, token_loss_sum  # noqa: E402
-from ds_odc.metrics import StepClock, gather_step, summarize  # noqa: E402
-from ds_odc.profiling import describe, profile_step  # noqa: E402
+from ds_odc.attention import restrict_sdpa_backends
+from ds_odc.balancer.collate import PackedCollator
+from ds_odc.balancer.sampler import BalancedBatchSampler
+from ds_odc.loss import global_mean_weight
+from ds_odc.metrics import StepClock, gather_step, summarize
+from ds_odc.profiling import decoder_layers, describe, profile_step
+from ds_odc.sft_cli import cost_from_args, on_device, prepare_model, samples_from_args, sft_argument_parser
+from ds_odc.workloads import model_config, sample_tokens
 
 
 def main():
-    args = parse_args([a for a in sys.argv[1:]] + (["--deepspeed", "none"] if "--deepspeed" not in sys.argv else []))
-    configure_sdpa(args.sdpa_backends)
-    if args.balancer == "lb-mini":
-        sys.exit("FSDP2 runs collectives every microbatch: use --balancer local-sort or lb-micro")
+    parser = sft_argument_parser(__doc__, deepspeed_config=False)
+    parser.add_argument("--engine", default="fsdp2", choices=["fsdp2", "plain"])
+    args = parser.parse_args()
+    restrict_sdpa_backends(args.sdpa_backends)
+    if args.balancer == "lb-mini" and args.engine == "fsdp2":
+        raise SystemExit("FSDP2 runs collectives every microbatch: use --balancer local-sort or lb-micro")
     from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
-    from transformers import AutoModelForCausalLM, Qwen2Config
+    from transformers import AutoModelForCausalLM
 
     cuda = torch.cuda.is_available()
     dist.init_process_group("nccl" if cuda else "gloo")
     rank, world = dist.get_rank(), dist.get_world_size()
+    if args.engine == "plain" and world != 1:
+        raise SystemExit("--engine plain trains unsharded on one rank (no gradient communication): run it with "
+                         "--nproc_per_node 1")
     device = torch.device("cuda", int(os.environ.get("LOCAL_RANK", 0))) if cuda else torch.device("cpu")
     if cuda:
         torch.cuda.set_device(device)
-    config = Qwen2Config(**MODEL_PRESETS[args.model], max_position_embeddings=131072)
-    config.use_cache = False
+    config = model_config(args.model)
     torch.manual_seed(args.seed)
-    with torch.device(device):  # fp32 master weights (as ZeRO keeps), built on the device: fast random init
-        model = AutoModelForCausalLM.from_config(config, dtype=torch.float32,
-                                                 attn_implementation=args.attn_implementation or
-                                                 ("sdpa" if cuda else "eager"))
-    if args.gradient_checkpointing:
-        model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
-    policy = MixedPrecisionPolicy(param_dtype=torch.bfloat16 if cuda else torch.float32, reduce_dtype=torch.float32)
-    for layer in model.model.layers:
-        fully_shard(layer, mp_policy=policy)
-    fully_shard(model, mp_policy=policy)
+    # FSDP2: fp32 master weights (as ZeRO keeps), bf16 compute; plain: bf16 weights. Built on the device (fast init).
+    dtype = torch.bfloat16 if cuda and args.engine == "plain" else torch.float32
+    with torch.device(device):
+        model = AutoModelForCausalLM.from_config(config, dtype=dtype, attn_implementation=args.attn_implementation)
+    prepare_model(model, args)
+    if args.engine == "fsdp2":
+        policy = MixedPrecisionPolicy(param_dtype=torch.bfloat16 if cuda else torch.float32,
+                                      reduce_dtype=torch.float32)
+        for layer in model.model.layers:
+            fully_shard(layer, mp_policy=policy)
+        fully_shard(model, mp_policy=policy)
     optimizer = torch.optim.AdamW(model.parameters(), lr=1e-5, betas=(0.9, 0.95), fused=cuda)
     if cuda:
         torch.cuda.empty_cache()
         torch.cuda.reset_peak_memory_stats()  # as sft.py: the peak of training, not of building
 
-    lengths, token_ids = load_lengths(args)
-    cost = cost_model(args, config)
+    lengths, token_ids = samples_from_args(args)
+    cost = cost_from_args(args, config)
     sampler = BalancedBatchSampler(lengths.tolist(), world_size=world, rank=rank, minibatch_size=args.minibatch_size,
                                    max_tokens=args.max_tokens, planner=args.balancer, seed=args.seed,
-                                   shuffle=not args.no_shuffle, cost=cost)
+                                   shuffle=not args.no_shuffle, cost=cost, model_config=config)
     collate = PackedCollator()
     clock, records, profile = StepClock(), [], None
     for step, batch in zip(range(min(args.steps, len(sampler))), sampler):
@@ -74,18 +79,14 @@ def main():
         profiling = (profile_step(args.profile_dir, rank, decoder_layers(model))
                      if step == args.profile_step else contextlib.nullcontext())
         clock.start()
-        loss_share, tokens, sq_tokens = 0.0, 0, 0
+        loss_share = 0.0
         with profiling as profiled:
             for mb in batch.microbatches:
                 samples = [{"input_ids": token_ids[j] if token_ids else sample_tokens(j, int(lengths[j]),
                                                                                          config.vocab_size, args.seed)}
                            for j in mb]
-                row = {k: t.to(device) for k, t in collate(samples).items()}
-                tokens += row["input_ids"].numel()
-                sq_tokens += sum(len(s["input_ids"]) ** 2 for s in samples)
-                logits = model(input_ids=row["input_ids"], position_ids=row["position_ids"]).logits
-                loss = token_loss_sum(logits, row["labels"]) * weight
-                del logits
+                row = on_device(collate(samples), device)
+                loss = model(**row, num_items_in_batch=1 / weight).loss
                 loss.backward()  # FSDP2 averages gradients over ranks, as ZeRO does: the W in `weight` cancels it
                 loss_share += loss.item() / world
             torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
@@ -93,15 +94,19 @@ def main():
             optimizer.zero_grad(set_to_none=True)
         if profiled is not None:
             profile = profiled
-        clock.compute_done()
         busy, step_time = clock.finish(0.0)
-        records.append(gather_step(loss_share, busy, step_time, len(batch.microbatches), tokens, batch.num_samples,
-                                   sq_tokens=sq_tokens))
+        tokens, sq_tokens = sampler.load(batch.microbatches)
+        record = gather_step(loss_share, busy, step_time, len(batch.microbatches), tokens, batch.num_samples,
+                             sq_tokens=sq_tokens)
+        if step != args.profile_step:
+            update = sampler.observe(record)  # lb-micro plans with the automatic cost, as in sft.py
+            record.cost = update.as_dict() if update else None
+        records.append(record)
     if rank == 0:
         summary = summarize(records, args.warmup_steps, world, untimed=[args.profile_step])
         total = summary["time_s"]
         if args.metrics_json:
-            Path(args.metrics_json).write_text(json.dumps({"config": {**vars(args), "engine": "fsdp2"},
+            Path(args.metrics_json).write_text(json.dumps({"config": {**vars(args), "world_size": world},
                                                            "steps": [r.as_dict() for r in records],
                                                            "summary": summary, "profile_rank0": profile}, indent=1))
         if profile:

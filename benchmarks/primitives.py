@@ -135,16 +135,20 @@ def main():
             acc_ref[:n].add_(dst[:n], alpha=scale)
 
         def scatter_with(transport, acc, method=None):
+            plan = transport.plan_scatter(acc, seg, [g.numel()])
+
             def push():
                 if method:  # the two atomic variants share one transport and accumulator
                     transport.scatter_method = method
-                transport.scatter_accumulate(acc, seg, [g], scale=scale)
+                transport.scatter_accumulate(plan, [g], scale=scale)
             return push
+
+        fast_read, remote_read = fast.plan_gather(params["fast"], seg), remote.plan_gather(params["remote"], seg)
 
         ops = {
             ("gather", "nccl all_gather"): lambda: dist.all_gather_into_tensor(o, params["fast"].local[:n]),
-            ("gather", "odc p2p (copy engine)"): lambda: fast.gather(params["fast"], seg, [o]),
-            ("gather", "odc rma (getmem_on_stream)"): lambda: remote.gather(params["remote"], seg, [o]),
+            ("gather", "odc p2p (copy engine)"): lambda: fast.gather(fast_read, o),
+            ("gather", "odc rma (getmem_on_stream)"): lambda: remote.gather(remote_read, o),
             ("scatter", "nccl reduce_scatter bf16 + add"): lambda: nccl_rs(g, rs16),
             ("scatter", "nccl reduce_scatter fp32 + add"): lambda: nccl_rs(g32, rs32),
             ("scatter", "odc p2p atomic v4 (red.v4.f32)"): scatter_with(fast, accs["fast"], "atomic"),
@@ -167,16 +171,19 @@ def main():
     host_rows = []
     nseg, seg_len = 64, 64 * 1024  # 64 parameters x 128 KiB bf16 shards = 8 MiB per rank
     segs = [Segment(i * seg_len, seg_len) for i in range(nseg)]
-    outs = [torch.empty(world * seg_len, dtype=torch.bfloat16, device=dev) for _ in range(nseg)]
+    bucket_reads = {"fast": fast.plan_gather(params["fast"], segs), "remote": remote.plan_gather(params["remote"], segs)}
+    outs = torch.empty(bucket_reads["fast"].out_numel, dtype=torch.bfloat16, device=dev)
     gins = [grads[:world * seg_len] for _ in range(nseg)]
+    bucket_pushes = {"fast": fast.plan_scatter(accs["fast"], segs, [g.numel() for g in gins]),
+                     "remote": remote.plan_scatter(accs["remote"], segs, [g.numel() for g in gins])}
     bucket_out = torch.empty(world * nseg * seg_len, dtype=torch.bfloat16, device=dev)
     host_ops = {
         "nccl all_gather (one coalesced 8 MiB bucket)":
             lambda: dist.all_gather_into_tensor(bucket_out, params["fast"].local[:nseg * seg_len]),
-        "odc gather p2p, 64 params": lambda: fast.gather(params["fast"], segs, outs),
-        "odc gather rma, 64 params": lambda: remote.gather(params["remote"], segs, outs),
-        "odc scatter p2p atomic, 64 params": lambda: fast.scatter_accumulate(accs["fast"], segs, gins, scale=scale),
-        "odc scatter rma, 64 params": lambda: remote.scatter_accumulate(accs["remote"], segs, gins, scale=scale),
+        "odc gather p2p, 64 params": lambda: fast.gather(bucket_reads["fast"], outs),
+        "odc gather rma, 64 params": lambda: remote.gather(bucket_reads["remote"], outs),
+        "odc scatter p2p atomic, 64 params": lambda: fast.scatter_accumulate(bucket_pushes["fast"], gins, scale=scale),
+        "odc scatter rma, 64 params": lambda: remote.scatter_accumulate(bucket_pushes["remote"], gins, scale=scale),
     }
     for name, fn in host_ops.items():
         for _ in range(3):

@@ -3,19 +3,37 @@
 ``import ds_odc`` before building the model or calling ``deepspeed.initialize``; then
 ``"zero_optimization": {"stage": 3, "odc": true}`` in the ds_config turns ODC on. Without the key DeepSpeed
 behaves exactly as stock.
+
+The import itself loads no DeepSpeed (so ``ds_odc.balancer`` stays pure Python): it teaches DeepSpeed the ``odc``
+key at once when DeepSpeed is already imported, or else the moment DeepSpeed's import completes, which is before
+anything can build an engine or enter ``zero.Init``.
 """
 
 from __future__ import annotations
+
+import importlib
+import importlib.abc
+import sys
 
 __version__ = "0.1.0"
 
 _patched = False
 
+# Public names, imported on first use: each of them pulls in torch, and OdcConfig DeepSpeed.
+_LAZY_EXPORTS = {
+    "OdcConfig": "ds_odc.config",
+    "FenceTimeout": "ds_odc.ops.transport",
+    "OdcError": "ds_odc.ops.transport",
+    "global_mean_weight": "ds_odc.loss",
+    "token_loss_sum": "ds_odc.loss",
+    "count_loss_tokens": "ds_odc.loss",
+}
+__all__ = [*_LAZY_EXPORTS, "patch", "__version__"]
+
 
 def _import_deepspeed_quietly() -> None:
     """DeepSpeed logs its accelerator choice to *stdout* while importing; route that line to stderr so that tools
-    such as ``python -m ds_odc.balancer.simulate --json`` print only their output, then give its logger stdout back."""
-    import sys
+    such as ``python -m ds_odc`` print only their output, then give its logger stdout back."""
     if "deepspeed" in sys.modules:
         return
     stdout = sys.stdout
@@ -31,7 +49,9 @@ def _import_deepspeed_quietly() -> None:
 
 
 def patch() -> None:
-    """Teach DeepSpeed the ``odc`` key and hook its stage-3 optimizer construction. Idempotent; run at import."""
+    """Teach DeepSpeed the ``odc`` key and hook its stage-3 optimizer construction. Idempotent.
+
+    ``import ds_odc`` arranges this by itself; calling it imports DeepSpeed now if it is not imported yet."""
     global _patched
     if _patched:
         return
@@ -55,11 +75,63 @@ def patch() -> None:
     _patched = True
 
 
-patch()
+class _PatchAfterDeepSpeedImport(importlib.abc.MetaPathFinder):
+    """Runs :func:`patch` right after ``deepspeed``'s module has executed, then leaves ``sys.meta_path``.
 
-from ds_odc.config import OdcConfig  # noqa: E402
-from ds_odc.loss import count_loss_tokens, global_mean_weight, token_loss_sum  # noqa: E402
-from ds_odc.ops.transport import FenceTimeout, OdcError  # noqa: E402
+    When DeepSpeed's import happens inside the import of a ds_odc module (``from ds_odc.config import ...`` first),
+    the patch waits until every ds_odc module being imported has finished, since it needs them whole. Every other
+    name, and a mere lookup (``importlib.util.find_spec``), is untouched."""
 
-__all__ = ["OdcConfig", "FenceTimeout", "OdcError", "patch", "global_mean_weight", "token_loss_sum",
-           "count_loss_tokens", "__version__"]
+    def __init__(self):
+        self.importing = 0  # ds_odc modules executing right now
+        self.pending = False  # DeepSpeed is in, the patch waits for those modules
+
+    def find_spec(self, fullname, path=None, target=None):
+        if fullname != "deepspeed" and not fullname.startswith("ds_odc."):
+            return None
+        for finder in sys.meta_path:
+            if finder is not self and hasattr(finder, "find_spec"):
+                spec = finder.find_spec(fullname, path, target)
+                if spec is not None:
+                    break
+        else:
+            return None
+        loader = spec.loader
+        if loader is None or not hasattr(loader, "exec_module"):
+            return spec
+        execute = loader.exec_module
+        ours = fullname != "deepspeed"
+
+        def exec_module(module):
+            self.importing += ours
+            try:
+                execute(module)
+            finally:
+                self.importing -= ours
+            self.pending = self.pending or not ours
+            if self.pending and self.importing == 0:
+                self.pending = False
+                if self in sys.meta_path:
+                    sys.meta_path.remove(self)
+                patch()
+
+        loader.exec_module = exec_module  # this spec's own loader instance: one import, nothing shared
+        return spec
+
+
+def __getattr__(name: str):
+    if name not in _LAZY_EXPORTS:
+        raise AttributeError(f"module 'ds_odc' has no attribute {name!r}")
+    value = getattr(importlib.import_module(_LAZY_EXPORTS[name]), name)
+    globals()[name] = value
+    return value
+
+
+def __dir__():
+    return sorted(set(globals()) | set(_LAZY_EXPORTS))
+
+
+if "deepspeed" in sys.modules:
+    patch()
+elif not any(isinstance(f, _PatchAfterDeepSpeedImport) for f in sys.meta_path):
+    sys.meta_path.insert(0, _PatchAfterDeepSpeedImport())

@@ -41,6 +41,17 @@ class OdcConfig(DeepSpeedConfigModel):
     """GPU only: never use NVLink peer pointers, only NVSHMEM get/put/signal (the path a multi-node job takes). For
     testing that path on one host."""
 
+    deterministic: bool = False
+    """GPU only: add every rank's gradient pushes into an owner's accumulator in a fixed order (per-source staging
+    slots, summed in rank order at the step), so runs are bit-reproducible; costs (W-1) x the accumulator in GPU
+    memory. Off: pushes reduce straight into the owner's fp32 accumulator in whatever order they land. The CPU
+    transport is always deterministic."""
+
+    bootstrap: Literal["auto", "uid", "mpi", "mpi-native"] = "auto"
+    """GPU only: how NVSHMEM starts. ``uid``: its unique id is sent over torch.distributed; ``mpi``: over mpi4py;
+    ``mpi-native``: NVSHMEM's own MPI bootstrap plugin (must match the MPI library in use); ``auto``: ``mpi`` when
+    launched by mpirun, else ``uid``."""
+
 
 class OdcZeroConfig(DeepSpeedZeroConfig):
     """DeepSpeed's ZeRO config plus the ``odc`` key. Installed in place of ``DeepSpeedZeroConfig`` by ``ds_odc.patch()``."""

@@ -86,9 +86,6 @@ class StepClock:
         device_sync()
         self.t0 = time.perf_counter()
 
-    def compute_done(self) -> None:
-        """Kept for callers that mark the end of the microbatches; the busy time does not depend on it."""
-
     def finish(self, wait_s: float = 0.0) -> tuple[float, float]:
         """Returns (busy_s, step_time_s) of this rank."""
         device_sync()

@@ -24,6 +24,11 @@ from ds_odc.metrics import device_sync
 LAYER_RANGE = "ds_odc.layer_forward"
 
 
+def decoder_layers(model: torch.nn.Module) -> list[torch.nn.Module]:
+    """The transformer blocks of a Hugging Face causal LM (``model.model.layers``), or none for other shapes."""
+    return list(getattr(getattr(model, "model", None), "layers", ()))
+
+
 @contextlib.contextmanager
 def _layer_ranges(layers: Sequence[torch.nn.Module], host_seconds: list[float]):
     """One profiler range around each layer call, outermost of all the layer's hooks; appends each call's host time.

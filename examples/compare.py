@@ -65,7 +65,9 @@ def worker(args) -> None:
     import sft
     import torch.distributed as dist
 
-    sft.init_distributed()
+    from ds_odc.distributed import init_distributed, shutdown_and_exit
+
+    init_distributed()
     runs = {}
     for label, config, balancer in MODES:
         if dist.get_rank() == 0:
@@ -77,7 +79,7 @@ def worker(args) -> None:
             runs[label] = out
     if dist.get_rank() == 0:
         Path(args.worker).write_text(json.dumps(runs))
-    sft.finish()
+    shutdown_and_exit()
 
 
 def launch(args, result: Path) -> dict:

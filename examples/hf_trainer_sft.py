@@ -17,6 +17,7 @@ import argparse
 import torch
 
 import ds_odc  # noqa: F401  (teaches DeepSpeed the `odc` key: import before TrainingArguments and the model)
+from ds_odc.distributed import init_distributed, shutdown
 
 PRESETS = {  # name: (hidden, layers, heads, kv heads, intermediate, vocab, max_tokens_per_microbatch, max_len)
     "tiny": (64, 2, 4, 4, 128, 1000, 128, 128),
@@ -48,16 +49,6 @@ def parse_args():
     return p.parse_args()
 
 
-def init_distributed() -> None:
-    """Before TrainingArguments: then HF's zero.Init sees the real world size (on CPU nothing else would set it)."""
-    if torch.cuda.is_available():
-        import deepspeed
-        deepspeed.init_distributed()
-    else:
-        from ds_odc.testing import init_cpu_distributed  # also skips DeepSpeed's inference-only shm op build
-        init_cpu_distributed(timeout_s=300)
-
-
 def synthetic_dataset(num_samples: int, max_len: int, vocab: int, seed: int = 0):
     """Long-tailed lengths (most samples short, a few long), like SFT data: where load balancing matters."""
     from datasets import Dataset
@@ -82,6 +73,7 @@ def ds_config(odc: bool, bf16: bool) -> dict:
 
 def main():
     args = parse_args()
+    # Before TrainingArguments: then HF's zero.Init sees the real world size (on CPU nothing else would set it).
     init_distributed()
     from transformers import AutoModelForCausalLM, LlamaConfig, Trainer, TrainingArguments
 
@@ -118,9 +110,7 @@ def main():
         summary = {k: round(v, 4) for k, v in result.metrics.items()}
         print(f"done: {trainer.state.global_step} steps, {summary}", flush=True)
 
-    import torch.distributed as dist
-    dist.barrier()
-    dist.destroy_process_group()
+    shutdown()
 
 
 if __name__ == "__main__":

@@ -19,6 +19,7 @@ import random
 import torch
 
 import ds_odc  # noqa: F401  (teaches DeepSpeed the `odc` key before SFTConfig and the model)
+from ds_odc.distributed import init_distributed, shutdown
 
 
 def parse_args():
@@ -79,12 +80,7 @@ def make_trainer_class():
 
 def main():
     args = parse_args()
-    from ds_odc.testing import init_cpu_distributed
-    if torch.cuda.is_available():
-        import deepspeed
-        deepspeed.init_distributed()
-    else:
-        init_cpu_distributed(timeout_s=300)
+    init_distributed()
     from transformers import LlamaConfig, LlamaForCausalLM
     from trl import SFTConfig, SFTTrainer
 
@@ -109,16 +105,15 @@ def main():
     data = synthetic_pairs(args.num_samples)
     if args.odc:
         trainer = make_trainer_class()(model, config, train_dataset=data, processing_class=tokenizer,
-                                       max_tokens_per_microbatch=args.max_tokens, microbatch_collator="trainer")
+                                       max_tokens_per_microbatch=args.max_tokens, microbatch_collator="trainer",
+                                       packed_attention=True)
     else:
         trainer = SFTTrainer(model, config, train_dataset=data, processing_class=tokenizer)
     result = trainer.train()
     if trainer.is_world_process_zero():
         print(f"done: {trainer.state.global_step} steps, train_loss={result.metrics['train_loss']:.4f}", flush=True)
 
-    import torch.distributed as dist
-    dist.barrier()
-    dist.destroy_process_group()
+    shutdown()
 
 
 if __name__ == "__main__":

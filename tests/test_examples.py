@@ -7,7 +7,7 @@ from pathlib import Path
 
 import pytest
 
-from ds_odc.testing import cpu_env
+from _support.launch import cpu_env
 
 ROOT = Path(__file__).resolve().parent.parent
 pytestmark = pytest.mark.slow
@@ -87,3 +87,35 @@ def test_e2e_benchmark_pipeline_on_cpu(tmp_path):
                           str(out / "tiny-longtail-fsdp2.json")], env=cpu_env(), capture_output=True, text=True,
                          timeout=120)
     assert fit.returncode == 0 and "--cost fitted --cost-coeffs" in fit.stdout, fit.stdout + fit.stderr
+
+
+def test_packed_table_and_attention_benchmark_on_cpu(tmp_path):
+    """The longtail-packed table at CPU scale on 1 rank (ODC packed and unpacked, plain training): every mode runs,
+    the table and profile print, and packed rows train the same losses as one sample per microbatch (attention and
+    chunked loss are exact up to fp32 rounding: 1e-4 relative, measured ~4e-6); then the attention micro-benchmark."""
+    out = tmp_path / "e2e"
+    modes = "odc+lb-mini,odc+lb-mini/unpacked,plain"
+    cmd = [sys.executable, str(ROOT / "benchmarks" / "e2e.py"), "--model", "tiny", "--workload", "longtail-packed",
+           "--nproc", "1", "--scale", "0.01", "--steps", "3", "--modes", modes, "--profile", "--out", str(out),
+           "--run-timeout", "240"]
+    proc = subprocess.run(cmd, env=cpu_env(), capture_output=True, text=True, timeout=800)
+    assert proc.returncode == 0 and "FAILED" not in proc.stdout, proc.stdout[-3000:] + proc.stderr[-3000:]
+    table = proc.stdout[proc.stdout.index("tiny / longtail-packed"):]
+    assert "vs odc+lb-mini/unpacked" in table and "vs plain" in table and "per layer forward" in table
+    runs = {m: json.loads((out / f"tiny-longtail-packed-{m.replace('/', '-')}.json").read_text())
+            for m in modes.split(",")}
+    packed, unpacked = runs["odc+lb-mini"], runs["odc+lb-mini/unpacked"]
+    assert packed["config"]["max_tokens"] and not unpacked["config"]["max_tokens"]
+    assert max(r["microbatches"] for s in unpacked["steps"] for r in s["per_rank"]) == 4  # one sample each
+    assert max(r["microbatches"] for s in packed["steps"] for r in s["per_rank"]) == 1  # packed: one row
+    for a, b in zip(packed["steps"], unpacked["steps"]):
+        assert abs(a["loss"] - b["loss"]) <= 1e-4 * abs(b["loss"])
+    assert packed["config"]["attn_implementation"] == "ds_odc_varlen" and packed["config"]["loss_chunk_tokens"]
+
+    bench = subprocess.run([sys.executable, str(ROOT / "benchmarks" / "attention.py"), "--row-tokens", "256",
+                            "--head-dim", "8", "--reps", "1", "--shapes", "longtail,128-documents",
+                            "--out", str(tmp_path)], env=cpu_env(), capture_output=True, text=True, timeout=300)
+    assert bench.returncode == 0, bench.stdout[-2000:] + bench.stderr[-2000:]
+    results = json.loads((tmp_path / "attention.json").read_text())["results"]
+    ours = [r for r in results if r["kernel"] == "ds_odc_varlen"]
+    assert len(ours) == 2 and all(r["max_abs_diff"] <= 1e-5 for r in ours)

@@ -41,10 +41,9 @@ __all__ = [
     "lengths_from_file",
     "sq_lengths_from_dataset",
     "PackedCollator",
-    "count_label_tokens",
 ]
 
-_LAZY = {"PackedCollator", "count_label_tokens"}
+_LAZY = {"PackedCollator"}
 
 
 def __getattr__(name: str) -> Any:

@@ -4,7 +4,13 @@ A microbatch ``[s_0, s_1, ...]`` becomes one row of shape ``[1, T]``:
 
 * ``input_ids``: the samples concatenated;
 * ``position_ids``: ``0..len(s_j)-1`` for every sample, restarting at each boundary;
-* ``labels``: the given labels (or a copy of ``input_ids``) with ``-100`` at the *first* token of every sample.
+* ``labels``: the given labels (or a copy of ``input_ids``) with ``-100`` at the *first* token of every sample;
+* ``cu_seq_lens_q`` / ``cu_seq_lens_k`` (int32, ``[0, len(s_0), len(s_0) + len(s_1), ..., T]``) and
+  ``max_length_q`` / ``max_length_k`` (a Python int): the document boundaries, under the names transformers'
+  ``DataCollatorWithFlattening(return_flash_attn_kwargs=True)`` and TRL's ``padding_free=True`` use. Passed to the
+  model with the rest, they reach every attention call, so a varlen kernel (``ds_odc.attention``,
+  ``flash_attention_2``) needs no host work per layer to find the documents. ``return_flash_attn_kwargs=False``
+  leaves them out (for a model whose forward takes no extra keyword arguments).
 
 Why the first token: Hugging Face causal-LM losses shift labels left (logit at position ``t`` is scored against
 ``labels[t + 1]``), so masking ``labels[start_j]`` stops the last token of sample ``j-1`` from being trained to
@@ -25,7 +31,7 @@ from typing import Any, Mapping, Sequence
 
 import torch
 
-__all__ = ["PackedCollator", "count_label_tokens", "IGNORE_INDEX"]
+__all__ = ["PackedCollator", "IGNORE_INDEX"]
 
 IGNORE_INDEX = -100
 
@@ -38,12 +44,14 @@ class PackedCollator:
         pad_token_id: token used when ``pad_to_multiple_of`` pads the row.
         pad_to_multiple_of: pad ``T`` up to a multiple (padding is its own pseudo-sample: positions restart, labels
             are ``-100``, so it neither attends to real tokens nor adds loss).  ``None``: no padding.
+        return_flash_attn_kwargs: also return the document boundaries (``cu_seq_lens_q/k``, ``max_length_q/k``).
     """
 
     pad_token_id: int = 0
     pad_to_multiple_of: int | None = None
+    return_flash_attn_kwargs: bool = True
 
-    def __call__(self, samples: Sequence[Mapping[str, Any]]) -> dict[str, torch.Tensor]:
+    def __call__(self, samples: Sequence[Mapping[str, Any]]) -> dict[str, Any]:
         if not samples:
             raise ValueError("PackedCollator got an empty microbatch")
         ids, pos, labels = [], [], []
@@ -66,13 +74,14 @@ class PackedCollator:
                 ids.append(torch.full((pad,), self.pad_token_id, dtype=torch.long))
                 labels.append(torch.full((pad,), IGNORE_INDEX, dtype=torch.long))
                 pos.append(torch.arange(pad, dtype=torch.long))
-        return {
+        row = {
             "input_ids": torch.cat(ids)[None],
             "position_ids": torch.cat(pos)[None],
             "labels": torch.cat(labels)[None],
         }
-
-
-def count_label_tokens(batch: Mapping[str, torch.Tensor]) -> int:
-    """Number of label tokens that enter the loss after the causal shift (``labels[..., 1:] != -100``)."""
-    return int((batch["labels"][..., 1:] != IGNORE_INDEX).sum())
+        if self.return_flash_attn_kwargs:
+            lengths = torch.tensor([x.numel() for x in ids], dtype=torch.int32)
+            cu_seq_lens = torch.nn.functional.pad(lengths.cumsum(0, dtype=torch.int32), (1, 0))
+            row.update(cu_seq_lens_q=cu_seq_lens, cu_seq_lens_k=cu_seq_lens, max_length_q=int(lengths.max()),
+                       max_length_k=int(lengths.max()))
+        return row

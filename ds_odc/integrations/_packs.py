@@ -20,7 +20,7 @@ import torch
 
 from ds_odc.balancer.sampler import BalancedBatchSampler, RankBatch
 
-__all__ = ["Pack", "PackBatchSampler", "PackDataset", "PackCollator", "SkippedStep", "count_label_tokens"]
+__all__ = ["Pack", "PackBatchSampler", "PackDataset", "PackCollator", "SkippedStep"]
 
 
 @dataclass(frozen=True)
@@ -138,14 +138,3 @@ class PackCollator:
         batch, samples = items[0]
         return Pack(microbatches=[dict(self.collate(mb)) for mb in samples], epoch=batch.epoch, step=batch.step,
                     num_samples=batch.num_samples, num_tokens=batch.num_tokens, sample_ids=batch.microbatches)
-
-
-def count_label_tokens(microbatch: Mapping[str, Any], shifted: bool = True, ignore_index: int = -100) -> int:
-    """Loss terms of one microbatch as the trainer counts them: ``shift_labels`` if given, else ``labels`` after the
-    causal shift (``shifted``), else 0 (no labels)."""
-    if "shift_labels" in microbatch:
-        return int((microbatch["shift_labels"] != ignore_index).sum())
-    labels = microbatch.get("labels")
-    if labels is None:
-        return 0
-    return int(((labels[..., 1:] if shifted else labels) != ignore_index).sum())

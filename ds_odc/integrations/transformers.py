@@ -35,8 +35,10 @@ from ds_odc.balancer.sampler import BalancedBatchSampler, lengths_from_dataset, 
 from ds_odc.config import odc_config_from_ds_config
 from ds_odc.balancer.checks import check_label_lengths
 from ds_odc.integrations._metrics import BalanceMeter
+from ds_odc.integrations._packs import Pack, PackBatchSampler, PackCollator, PackDataset
+from ds_odc.attention import ATTENTION_NAME
+from ds_odc.loss import DEFAULT_CHUNK_TOKENS, count_loss_tokens, use_chunked_loss
 from ds_odc.metrics import StepClock, gather_step
-from ds_odc.integrations._packs import Pack, PackBatchSampler, PackCollator, PackDataset, count_label_tokens
 
 ds_odc.patch()  # the `odc` key must parse before TrainingArguments / zero.Init read the ds_config
 
@@ -71,11 +73,18 @@ class OdcTrainer(Trainer):
         microbatch_collator: how a microbatch (a list of samples) becomes model inputs: ``"packed"`` (one padding-free
             row, :class:`~ds_odc.balancer.collate.PackedCollator`), ``"trainer"`` (the ``data_collator``), or a
             callable. Default: the ``data_collator`` if one was passed, else ``"packed"``.
+        packed_attention: run attention as ``ds_odc_varlen`` (:mod:`ds_odc.attention`: each document of a packed
+            row attends to itself only, no dense mask, no per-length planning). ``None`` (default): when the rows
+            are packed (``"packed"`` collator) and the model uses ``sdpa`` or ``eager``.
+        loss_chunk_tokens: with ODC, compute the training loss this many positions at a time without the full
+            logits (:func:`ds_odc.loss.use_chunked_loss`; not when a label smoother, ``compute_loss_func`` or
+            another library's patched forward needs the logits). ``None`` or 0: the model's own loss.
     """
 
     def __init__(self, model=None, args=None, *trainer_args, balancer_planner: str = "lb-mini",
                  max_tokens_per_microbatch: int | None = None, length_column: str = "input_ids",
                  balancer_cost: Any = "auto", oversize: str = "error", microbatch_collator: Any = None,
+                 packed_attention: bool | None = None, loss_chunk_tokens: int | None = DEFAULT_CHUNK_TOKENS,
                  **trainer_kwargs):
         ds_odc.patch()
         self.odc = args is not None and odc_enabled(args)
@@ -87,18 +96,42 @@ class OdcTrainer(Trainer):
             args.gradient_accumulation_steps = 1
         user_collator = trainer_kwargs.get("data_collator", trainer_args[0] if trainer_args else None)
         super().__init__(model, args, *trainer_args, **trainer_kwargs)
+        if self.odc:
+            # The ds_config keeps the caller's accumulation steps (filled in by TrainingArguments); ODC marks every
+            # boundary itself, so the count is not used. Accelerate would adopt it anyway, with a "Gradient
+            # accumulation steps mismatch" warning against this trainer's 1: give it the value now.
+            ds_steps = args.hf_deepspeed_config.config.get("gradient_accumulation_steps")
+            if isinstance(ds_steps, int):
+                self.accelerator.gradient_accumulation_steps = ds_steps
         self.odc_balancer = dict(planner=balancer_planner, max_tokens=max_tokens_per_microbatch, cost=balancer_cost,
                                  oversize=oversize)
         self.odc_length_column = length_column
         if microbatch_collator is None:
             microbatch_collator = "trainer" if user_collator is not None else "packed"
         self.odc_microbatch_collator = microbatch_collator
+        if self.odc:
+            self._odc_prepare_model(packed_attention, loss_chunk_tokens)
         self.odc_pack_sampler: PackBatchSampler | None = None
         self.odc_meter: BalanceMeter | None = None
         self._odc_resume_dir: str | None = None
         self._odc_position: tuple[int, int] | None = None  # (epoch, next step) after the last trained pack
         self._odc_global_label_tokens: torch.Tensor | None = None
         self._odc_pack_microbatch: dict | None = None  # the raw microbatch compute_loss is working on
+
+    def _odc_prepare_model(self, packed_attention: bool | None, loss_chunk_tokens: int | None) -> None:
+        model, config = self.model, getattr(self.model, "config", None)
+        current = getattr(config, "_attn_implementation", None)
+        if packed_attention is None:
+            packed_attention = self.odc_microbatch_collator == "packed" and current in ("sdpa", "eager")
+        if packed_attention and current != ATTENTION_NAME:
+            model.set_attn_implementation(ATTENTION_NAME)
+            logger.info(f"ds_odc: attention {current} -> {ATTENTION_NAME} for packed rows")
+        wants_logits = self.label_smoother is not None or self.compute_loss_func is not None
+        if loss_chunk_tokens and not wants_logits and "forward" not in vars(model):
+            try:
+                use_chunked_loss(model, chunk_tokens=loss_chunk_tokens)
+            except ValueError as e:  # not a plain causal LM: keep its own loss
+                logger.info(f"ds_odc: keeping the model's own loss ({e})")
 
     # -- data ---------------------------------------------------------------------------------------------------------
     def _odc_collate_fn(self):
@@ -178,7 +211,7 @@ class OdcTrainer(Trainer):
             return packs, None
         # Every rank holds a pack (same plan length), so this gather is one per step on every rank, like stock's.
         shifted = getattr(self, "_loss_shifts_labels", True)
-        local = [sum(count_label_tokens(mb, shifted) for p in packs for mb in p.microbatches),
+        local = [sum(count_loss_tokens(mb, shifted=shifted) for p in packs for mb in p.microbatches),
                  float(any("labels" in mb or "shift_labels" in mb for p in packs for mb in p.microbatches))]
         counts = torch.tensor(local, dtype=torch.float64, device=device)
         if self.args.average_tokens_across_devices and self.args.world_size > 1:
@@ -232,7 +265,7 @@ class OdcTrainer(Trainer):
         # The model averaged over this microbatch's tokens only (it takes no num_items_in_batch): reweight it to its
         # share of the global token mean, times W for ZeRO's averaging over ranks.
         loss = out[0] if return_outputs else out
-        n_local = count_label_tokens(self._odc_pack_microbatch, getattr(self, "_loss_shifts_labels", True))
+        n_local = count_loss_tokens(self._odc_pack_microbatch, shifted=getattr(self, "_loss_shifts_labels", True))
         scale = n_local / max(int(self._odc_global_label_tokens), 1)
         if self.args.average_tokens_across_devices:
             scale *= self.args.world_size

@@ -4,9 +4,11 @@ from __future__ import annotations
 
 import torch
 
-from ds_odc.ops.transport import FenceTimeout, OdcError, Segment, SymmetricBuffer, Transport
+from ds_odc.ops.transport import (FenceTimeout, GatherPlan, OdcError, ScatterPlan, Segment, SymmetricBuffer,
+                                  Transport)
 
-__all__ = ["FenceTimeout", "OdcError", "Segment", "SymmetricBuffer", "Transport", "make_transport"]
+__all__ = ["FenceTimeout", "GatherPlan", "OdcError", "ScatterPlan", "Segment", "SymmetricBuffer", "Transport",
+           "make_transport"]
 
 
 def make_transport(config, device: torch.device, process_group=None) -> Transport:
@@ -26,5 +28,7 @@ def make_transport(config, device: torch.device, process_group=None) -> Transpor
             raise ValueError(f"ds_odc: transport 'nvshmem' needs CUDA tensors, but training runs on {device}. "
                              "Set zero_optimization.odc.transport to 'shm' or 'auto'.")
         from ds_odc.ops.nvshmem import NvshmemTransport
-        return NvshmemTransport(process_group, timeout_s, force_remote_path=config.force_remote_path)
+        return NvshmemTransport(process_group, timeout_s, force_remote_path=config.force_remote_path,
+                                scatter_method="staging" if config.deterministic else "atomic",
+                                bootstrap=config.bootstrap)
     raise ValueError(f"ds_odc: unknown transport {kind!r}; use 'auto', 'shm' or 'nvshmem'.")

@@ -28,8 +28,8 @@ from deepspeed.ops.op_builder.builder import CUDAOpBuilder
 
 from ds_odc.ops.transport import OdcError
 
-_REPO = Path(__file__).resolve().parents[2]
-CSRC = _REPO / "csrc"
+# Shipped inside the package (ds_odc/csrc, a link to the checkout's csrc/), so an installed ds_odc finds them too.
+CSRC = Path(__file__).resolve().parents[1] / "csrc"
 KERNEL_SOURCES = [CSRC / "odc_kernels.cu"]
 BINDING_SOURCES = [CSRC / "odc_binding.cpp"]
 NVSHMEM_MAJOR = 3
@@ -111,6 +111,9 @@ class OdcNvshmemBuilder(CUDAOpBuilder):
     def problems(self) -> list[str]:
         """Why the op cannot be built here, each with what to change (empty when it can)."""
         found = []
+        missing = [str(p) for p in KERNEL_SOURCES + BINDING_SOURCES if not p.is_file()]
+        if missing:
+            found.append(f"ds_odc's kernel sources are missing ({', '.join(missing)}): reinstall ds_odc")
         if torch.version.cuda is None:
             found.append(f"torch {torch.__version__} is a CPU-only build; install a CUDA build of torch")
         if cuda_home() is None:

@@ -7,35 +7,37 @@ Two paths, chosen once per transport:
 * **peer-pointer path** (default when every peer is load/store reachable): gather = copy-engine reads straight from
   the owners' memory (``cudaMemcpyAsync`` over NVLink); scatter-accumulate = fp32 vector reductions
   (``red.add.v4.f32``) into the owners' accumulators from one kernel per call. No staging memory; the order in which
-  sources' contributions are summed is not fixed (fp32 rounding may differ run to run). ``scatter_method="staging"``
-  trades (W-1) x accumulator memory for bit-reproducible sums (single-writer slots, summed in source order).
+  sources' contributions are summed is not fixed (fp32 rounding may differ run to run). ``"deterministic": true``
+  (``scatter_method="staging"``) trades (W-1) x accumulator memory for bit-reproducible sums (single-writer slots, summed in source order).
 * **RMA path** (``force_remote_path=True``, or automatically when some peer is not P2P-reachable): gather =
   ``nvshmemx_getmem_on_stream``; scatter-accumulate = a kernel that, for each chunk, gets this source's private
   staging slot on the owner, adds the gradient, and puts it back. Slots have a single writer, so no float atomics
   cross the network (NVSHMEM 3.4 has none); the owner adds the slots into its accumulator at the fence, in source
   order. Costs (W-1) x the accumulator in staging memory.
 
-The fence: finish this rank's pushes (``quiet`` + device sync), meet everyone on a gloo ``monitored_barrier`` (which
+The fence: finish this rank's pushes (``quiet`` + device sync), meet everyone (``ds_odc.ops.meeting``: times out and
 names ranks that do not arrive), then drain staging slots where there are any.
 """
 
 from __future__ import annotations
 
-import os
+from dataclasses import dataclass, field
 from typing import Sequence
 
 import numpy as np
 import torch
 import torch.distributed as dist
 
+from ds_odc.ops.meeting import Meeting
 from ds_odc.ops.nvshmem_runtime import ensure_runtime
-from ds_odc.ops.shm import control_group, monitored_barrier
-from ds_odc.ops.transport import OdcError, Segment, SymmetricBuffer, Transport
+from ds_odc.ops.transport import (GatherPlan, OdcError, ScatterPlan, Segment, SymmetricBuffer, Transport,
+                                  out_layout)
 
 _SRC_DTYPES = {torch.float32: 0, torch.bfloat16: 1, torch.float16: 2}
 _P2P_MODES = {"atomic-scalar": 0, "atomic": 1, "staging": 2}  # odc_scatter_add_p2p's modes
 _RMA_CTAS = 264  # device-initiated transfers need many CTAs in flight (2 per SM on H100/H200)
 _MIN_ALLOC = 512  # nvshmem_malloc(0) returns NULL; keep every buffer addressable
+_TASK_FIELDS = 6  # int64 fields of csrc's Task record: dst, src, n, first (set by the launcher), pe, padding
 
 
 class _Allocation:
@@ -49,19 +51,32 @@ class _Allocation:
                      for pe in transport.pes]
 
 
-class _Buffer:
-    """What ``SymmetricBuffer.handle`` holds for this transport."""
-
-    def __init__(self, data: _Allocation, staging: _Allocation | None, staging_view: torch.Tensor | None):
-        self.data = data
-        self.staging = staging
-        self.staging_view = staging_view  # (W-1, numel) float32: slot s holds source slot_source[s]'s pushes
+@dataclass(eq=False)
+class NvshmemBuffer(SymmetricBuffer):
+    data: _Allocation | None = None
+    staging: _Allocation | None = None  # accumulators that stage: (W-1) single-writer slots of numel fp32 each
+    staging_view: torch.Tensor | None = None  # (W-1, numel) float32: slot s holds source slot_source[s]'s pushes
 
 
-def _segment_arrays(segments: Sequence[Segment]) -> tuple[np.ndarray, np.ndarray]:
-    lengths = np.fromiter((s.length for s in segments), np.int64, len(segments))
-    offsets = np.fromiter((s.offset for s in segments), np.int64, len(segments))
-    return lengths, offsets
+@dataclass(eq=False)
+class NvshmemGatherPlan(GatherPlan):
+    """Byte offsets into the output, source addresses, sizes and PEs of every (segment, owner) read."""
+
+    dst_offsets: np.ndarray = field(default=None)
+    src: np.ndarray = field(default=None)
+    nbytes: np.ndarray = field(default=None)
+    pes: np.ndarray = field(default=None)
+    dst: np.ndarray = field(default=None)  # filled per call: output address + dst_offsets
+
+
+@dataclass(eq=False)
+class NvshmemScatterPlan(ScatterPlan):
+    """The task table of every (segment, owner) slice that exists, complete but for the source addresses."""
+
+    tasks: np.ndarray = field(default=None)  # [tasks, 6] int64
+    input_index: np.ndarray = field(default=None)  # which input each task reads
+    src_offsets: np.ndarray = field(default=None)  # byte offset of the task's slice in its input
+    src_itemsize: int = 0
 
 
 def _tensor_at(ptr: int, nbytes: int, device: torch.device) -> torch.Tensor:
@@ -84,31 +99,31 @@ class NvshmemTransport(Transport):
     name = "nvshmem"
 
     def __init__(self, process_group=None, timeout_s: float = 300.0, force_remote_path: bool = False,
-                 scatter_method: str | None = None):
-        """``scatter_method`` (peer-pointer path only): "atomic" (default: vector fp32 reductions), "atomic-scalar",
-        or "staging" (deterministic: read-modify-write of per-source slots through peer views). Also settable with
-        ``DS_ODC_SCATTER_METHOD``; the RMA path always stages."""
-        group = control_group(process_group)
-        super().__init__(dist.get_rank(group), dist.get_world_size(group), timeout_s)
+                 scatter_method: str = "atomic", bootstrap: str = "auto"):
+        """``scatter_method`` (peer-pointer path only): "atomic" (vector fp32 reductions), "atomic-scalar", or
+        "staging" (deterministic: read-modify-write of per-source slots through peer views; the ``deterministic``
+        config key). The RMA path always stages. ``bootstrap``: how NVSHMEM comes up (see nvshmem_runtime)."""
+        self.meet = Meeting(process_group, timeout_s)
+        super().__init__(self.meet.rank, self.meet.world_size, timeout_s)
         if self.world_size != dist.get_world_size():
             raise OdcError("ds_odc: the nvshmem transport spans the whole job (NVSHMEM allocations are collective over "
                            f"every process), but the process group has {self.world_size} of {dist.get_world_size()} "
                            "ranks. Use the world group for ODC.")
         if not torch.cuda.is_available():
             raise OdcError("ds_odc: the nvshmem transport needs CUDA; set zero_optimization.odc.transport to 'shm'.")
+        group = self.meet.group
         self.group = group
         self.device = torch.device("cuda", torch.cuda.current_device())
         self.pes = [dist.get_global_rank(group, r) if process_group is not None else r for r in range(self.world_size)]
         self.force_remote_path = force_remote_path
-        method = (scatter_method or os.environ.get("DS_ODC_SCATTER_METHOD") or "atomic").lower()
-        if method not in ("atomic", "atomic-scalar", "staging"):
-            raise OdcError(f"ds_odc: scatter method {method!r}; use atomic, atomic-scalar or staging")
-        self.scatter_method = method
+        if scatter_method not in _P2P_MODES:
+            raise OdcError(f"ds_odc: scatter method {scatter_method!r}; use one of {sorted(_P2P_MODES)}")
+        self.scatter_method = scatter_method
+        self.bootstrap = bootstrap
         self.lib = None
         self.my_pe = None
         self.remote = force_remote_path  # decided for good at the first allocation
         self._allocations: list[_Allocation] = []
-        self._buffers: list[SymmetricBuffer] = []
         self._scratch: _Allocation | None = None
         self._scratch_done: torch.cuda.Event | None = None
         self._broken = False
@@ -116,7 +131,7 @@ class NvshmemTransport(Transport):
 
     # -- bring-up and allocation --------------------------------------------------------------------------------------
     def _start(self, first_bytes: int) -> None:
-        runtime = ensure_runtime(self.group, first_bytes)
+        runtime = ensure_runtime(self.group, first_bytes, self.bootstrap)
         self.lib, self.my_pe = runtime.lib, runtime.my_pe
         if not self.remote:
             # Probe reachability once; every rank must take the same path, so agree on it.
@@ -142,7 +157,7 @@ class NvshmemTransport(Transport):
         self.symmetric_bytes += nbytes
         return ptr
 
-    def allocate(self, numel: int, dtype: torch.dtype, *, accumulator: bool = False) -> SymmetricBuffer:
+    def allocate(self, numel: int, dtype: torch.dtype, *, accumulator: bool = False) -> NvshmemBuffer:
         if accumulator and dtype != torch.float32:
             raise OdcError(f"ds_odc: accumulators are float32 on the nvshmem transport, not {dtype}")
         itemsize = torch.empty((), dtype=dtype).element_size()
@@ -162,11 +177,10 @@ class NvshmemTransport(Transport):
             self._scratch = _Allocation(self, _RMA_CTAS * self._rma_chunk * 4)
             self._allocations.append(self._scratch)
         local = _tensor_at(data.ptr, nbytes, self.device)[:numel * itemsize].view(dtype).zero_()
-        buf = SymmetricBuffer(numel, dtype, local, accumulator, handle=_Buffer(data, staging, staging_view))
-        self._buffers.append(buf)
+        buf = NvshmemBuffer(numel, dtype, local, accumulator, data=data, staging=staging, staging_view=staging_view)
         # Zeros must land everywhere before any peer reads or pushes.
         torch.cuda.synchronize(self.device)
-        monitored_barrier(self.group, self.timeout_s, "symmetric allocation")
+        self.meet("symmetric allocation")
         return buf
 
     def _stages(self) -> bool:
@@ -176,57 +190,79 @@ class NvshmemTransport(Transport):
         """Index of ``source``'s staging slot on ``owner`` (owners keep no slot for themselves)."""
         return source if source < owner else source - 1
 
-    # -- gather ---------------------------------------------------------------------------------------------------------
-    def gather(self, source: SymmetricBuffer, segments: Sequence[Segment], outputs: Sequence[torch.Tensor]) -> None:
-        if not segments:
-            return
-        data: _Allocation = source.handle.data
-        itemsize = source.local.element_size()
-        for seg, out in zip(segments, outputs):
-            if out.dtype != source.dtype or not out.is_contiguous() or out.numel() < self.world_size * seg.length:
-                raise OdcError(f"ds_odc: gather output must be contiguous {source.dtype} of "
-                               f"{self.world_size * seg.length} elements, got {out.dtype} {tuple(out.shape)}")
-        lengths, offsets = _segment_arrays(segments)
-        out_ptrs = np.fromiter((o.data_ptr() for o in outputs), np.int64, len(outputs))
-        dst, src, nbytes, pes = [], [], [], []
-        for r in self._owner_order():  # W ranks gathering at once spread their reads over all owners
-            base = data.ptr if self.remote else data.peer[r]
-            dst.append(out_ptrs + r * lengths * itemsize)
-            src.append(base + offsets * itemsize)
-            nbytes.append(lengths * itemsize)
-            pes.append(np.full(len(segments), self.pes[r], np.int64))
-        dst, src, nbytes, pes = (np.ascontiguousarray(np.concatenate(a)) for a in (dst, src, nbytes, pes))
-        stream = torch.cuda.current_stream(self.device).cuda_stream
-        if self.remote:
-            self.lib.get_batch(dst.ctypes.data, src.ctypes.data, nbytes.ctypes.data, pes.ctypes.data, len(dst), stream)
-        else:
-            self.lib.copy_batch(dst.ctypes.data, src.ctypes.data, nbytes.ctypes.data, len(dst), stream)
-
     def _owner_order(self) -> list[int]:
         """Owners starting with the next rank, so that concurrent callers do not all hit rank 0 first."""
         return [(self.rank + k) % self.world_size for k in range(1, self.world_size + 1)]
 
-    # -- scatter-accumulate ---------------------------------------------------------------------------------------------
-    def scatter_accumulate(self, accumulator: SymmetricBuffer, segments: Sequence[Segment],
-                           inputs: Sequence[torch.Tensor], scale: float = 1.0) -> None:
-        if not segments:
+    # -- gather ---------------------------------------------------------------------------------------------------------
+    def plan_gather(self, source: NvshmemBuffer, segments: Sequence[Segment]) -> NvshmemGatherPlan:
+        segments = tuple(segments)
+        out_offsets, total = out_layout(segments, self.world_size)
+        itemsize = source.local.element_size()
+        lengths = np.fromiter((s.length for s in segments), np.int64, len(segments))
+        offsets = np.fromiter((s.offset for s in segments), np.int64, len(segments))
+        outs = np.asarray(out_offsets, np.int64)
+        dst, src, pes = [], [], []
+        for r in self._owner_order():  # W ranks gathering at once spread their reads over all owners
+            base = source.data.ptr if self.remote else source.data.peer[r]
+            dst.append((outs + r * lengths) * itemsize)
+            src.append(base + offsets * itemsize)
+            pes.append(np.full(len(segments), self.pes[r], np.int64))
+        nbytes = np.tile(lengths * itemsize, self.world_size)
+        keep = nbytes > 0
+        dst, src, pes = (np.ascontiguousarray(np.concatenate(a)[keep]) for a in (dst, src, pes))
+        return NvshmemGatherPlan(source, segments, out_offsets, total, dst_offsets=dst, src=src,
+                                 nbytes=np.ascontiguousarray(nbytes[keep]), pes=pes, dst=np.empty_like(dst))
+
+    def gather(self, plan: NvshmemGatherPlan, out: torch.Tensor) -> None:
+        if len(plan.src) == 0:
             return
-        dtype = inputs[0].dtype
-        if dtype not in _SRC_DTYPES or any(inp.dtype != dtype or not inp.is_contiguous() for inp in inputs):
-            raise OdcError(f"ds_odc: scatter_accumulate inputs must be contiguous and share one of "
-                           f"{list(_SRC_DTYPES)}, got {sorted({str(i.dtype) for i in inputs})}")
-        handle: _Buffer = accumulator.handle
-        staging = handle.staging
+        if out.dtype != plan.source.dtype or not out.is_contiguous() or out.numel() < plan.out_numel:
+            raise OdcError(f"ds_odc: gather output must be contiguous {plan.source.dtype} of {plan.out_numel} "
+                           f"elements, got {out.dtype} {tuple(out.shape)}")
+        np.add(plan.dst_offsets, out.data_ptr(), out=plan.dst)
+        stream = torch.cuda.current_stream(self.device).cuda_stream
         if self.remote:
-            targets = self._rma_targets(accumulator)
+            self.lib.get_batch(plan.dst.ctypes.data, plan.src.ctypes.data, plan.nbytes.ctypes.data,
+                               plan.pes.ctypes.data, len(plan.dst), stream)
         else:
-            if staging is None and self.scatter_method == "staging":
-                raise OdcError("ds_odc: this accumulator was allocated without staging slots; choose scatter_method "
-                               "'staging' before allocating it")
-            targets = self._p2p_targets(accumulator)
-        tasks = self._tasks(segments, inputs, targets)
+            self.lib.copy_batch(plan.dst.ctypes.data, plan.src.ctypes.data, plan.nbytes.ctypes.data, len(plan.dst),
+                                stream)
+
+    # -- scatter-accumulate ---------------------------------------------------------------------------------------------
+    def plan_scatter(self, accumulator: NvshmemBuffer, segments: Sequence[Segment],
+                     input_numels: Sequence[int]) -> NvshmemScatterPlan:
+        segments, numels = tuple(segments), tuple(int(n) for n in input_numels)
+        if not self.remote and accumulator.staging is None and self.scatter_method == "staging":
+            raise OdcError("ds_odc: this accumulator was allocated without staging slots; choose scatter_method "
+                           "'staging' before allocating it")
+        targets = self._rma_targets(accumulator) if self.remote else self._p2p_targets(accumulator)
+        lengths = np.fromiter((s.length for s in segments), np.int64, len(segments))
+        offsets = np.fromiter((s.offset for s in segments), np.int64, len(segments))
+        sizes = np.asarray(numels, np.int64)
+        blocks, index, starts = [], [], []
+        for r in self._owner_order():
+            n = np.minimum(lengths, sizes - r * lengths)
+            keep = n > 0
+            rows = np.zeros((int(keep.sum()), _TASK_FIELDS), np.int64)
+            rows[:, 0] = targets[r] + offsets[keep] * 4
+            rows[:, 2] = n[keep]
+            rows[:, 4] = self.pes[r]
+            blocks.append(rows)
+            index.append(np.nonzero(keep)[0])
+            starts.append(r * lengths[keep])
+        return NvshmemScatterPlan(accumulator, segments, numels, tasks=np.ascontiguousarray(np.concatenate(blocks)),
+                                  input_index=np.concatenate(index), src_offsets=np.concatenate(starts))
+
+    def scatter_accumulate(self, plan: NvshmemScatterPlan, inputs: Sequence[torch.Tensor], scale: float = 1.0) -> None:
+        tasks = plan.tasks
         if len(tasks) == 0:
             return
+        dtype = inputs[0].dtype
+        if dtype not in _SRC_DTYPES:
+            raise OdcError(f"ds_odc: scatter_accumulate inputs must be one of {list(_SRC_DTYPES)}, got {dtype}")
+        ptrs = np.fromiter((t.data_ptr() for t in inputs), np.int64, len(inputs))
+        np.add(ptrs[plan.input_index], plan.src_offsets * inputs[0].element_size(), out=tasks[:, 1])
         stream = torch.cuda.current_stream(self.device)
         if self.remote:
             if self._scratch_done is not None:  # one scratch area: launches from different streams must not overlap
@@ -239,42 +275,20 @@ class NvshmemTransport(Transport):
             self.lib.scatter_add_p2p(tasks.ctypes.data, len(tasks), _SRC_DTYPES[dtype], float(scale),
                                      _P2P_MODES[self.scatter_method], stream.cuda_stream)
 
-    def _p2p_targets(self, acc: SymmetricBuffer) -> list[int]:
+    def _p2p_targets(self, acc: NvshmemBuffer) -> list[int]:
         """Per owner rank, the address (through peer pointers) that element 0 of this rank's pushes lands on."""
-        data, staging = acc.handle.data, acc.handle.staging
-        if staging is None:  # reductions straight into every owner's accumulator
-            return list(data.peer)
+        if acc.staging is None:  # reductions straight into every owner's accumulator
+            return list(acc.data.peer)
         # single-writer slots on the others; our own slice goes straight into acc.local, which only we write
         slot_bytes = acc.numel * 4
-        return [data.ptr if r == self.rank else staging.peer[r] + self._slot(self.rank, r) * slot_bytes
+        return [acc.data.ptr if r == self.rank else acc.staging.peer[r] + self._slot(self.rank, r) * slot_bytes
                 for r in range(self.world_size)]
 
-    def _rma_targets(self, acc: SymmetricBuffer) -> list[int]:
+    def _rma_targets(self, acc: NvshmemBuffer) -> list[int]:
         """Per owner rank, the symmetric address of our slot there (our own slice: the accumulator itself)."""
-        data, staging = acc.handle.data, acc.handle.staging
         slot_bytes = acc.numel * 4
-        return [data.ptr if r == self.rank else staging.ptr + self._slot(self.rank, r) * slot_bytes
+        return [acc.data.ptr if r == self.rank else acc.staging.ptr + self._slot(self.rank, r) * slot_bytes
                 for r in range(self.world_size)]
-
-    def _tasks(self, segments, inputs, targets) -> np.ndarray:
-        """[tasks, 6] int64 rows (dst, src, n, -, pe, -) for every (segment, owner) slice that exists.
-
-        ``inputs[i]`` may stop short of ``W * length``: the missing tail is padding owned by the last ranks."""
-        lengths, offsets = _segment_arrays(segments)
-        src_ptrs = np.fromiter((t.data_ptr() for t in inputs), np.int64, len(inputs))
-        numels = np.fromiter((t.numel() for t in inputs), np.int64, len(inputs))
-        esize = inputs[0].element_size()
-        blocks = []
-        for r in self._owner_order():
-            n = np.minimum(lengths, numels - r * lengths)
-            keep = n > 0
-            rows = np.zeros((int(keep.sum()), 6), np.int64)
-            rows[:, 0] = targets[r] + offsets[keep] * 4
-            rows[:, 1] = src_ptrs[keep] + r * lengths[keep] * esize
-            rows[:, 2] = n[keep]
-            rows[:, 4] = self.pes[r]
-            blocks.append(rows)
-        return np.ascontiguousarray(np.concatenate(blocks))
 
     # -- synchronisation ------------------------------------------------------------------------------------------------
     def _complete_local_work(self) -> None:
@@ -284,26 +298,26 @@ class NvshmemTransport(Transport):
 
     def _arrive(self, what: str) -> None:
         try:
-            monitored_barrier(self.group, self.timeout_s, what)
+            self.meet(what)
         except BaseException:
             self._broken = True  # peers may be gone: never enter another collective NVSHMEM call (it would hang)
             raise
 
-    def fence(self, accumulators: Sequence[SymmetricBuffer]) -> None:
+    def fence(self, accumulators: Sequence[NvshmemBuffer], what: str = "the fence at the optimizer step") -> None:
         self._complete_local_work()
-        self._arrive("fence at the optimizer step")
+        self._arrive(what)
         for acc in accumulators:
-            slots = acc.handle.staging_view if acc.handle is not None else None
+            slots = acc.staging_view
             if slots is None:
                 continue
             for s in range(slots.shape[0]):  # fixed source order: bit-reproducible sums
                 acc.local.add_(slots[s])
             slots.zero_()
 
-    def barrier(self) -> None:
+    def barrier(self, what: str = "the barrier after the optimizer step") -> None:
         # Zeroed accumulators and updated shards must be in memory before any peer pushes or reads again.
         self._complete_local_work()
-        self._arrive("barrier after the optimizer step")
+        self._arrive(what)
 
     def close(self) -> None:
         if self.lib is None:
@@ -313,7 +327,6 @@ class NvshmemTransport(Transport):
             for alloc in reversed(self._allocations):  # nvshmem_free is collective: same order everywhere
                 self.lib.free(alloc.ptr)
         self._allocations.clear()
-        self._buffers.clear()
         self._scratch = None
         self.symmetric_bytes = 0
         self.lib = None

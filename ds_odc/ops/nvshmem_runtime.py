@@ -3,9 +3,9 @@
 NVSHMEM's host library is already loaded in every process that imports torch (torch links it), so there is exactly
 one runtime per process; nvshmem4py and our extension both talk to it. Bring-up:
 
-1. choose the bootstrap: under ``mpirun`` (``OMPI_COMM_WORLD_SIZE`` / ``PMI_SIZE`` set) the NVSHMEM unique id travels
-   over mpi4py, otherwise over torch.distributed; ``DS_ODC_NVSHMEM_BOOTSTRAP=uid|mpi|mpi-native`` overrides
-   (``mpi-native`` uses NVSHMEM's own MPI bootstrap plugin, which must match the MPI library in use);
+1. choose the bootstrap (``zero_optimization.odc.bootstrap``): ``auto`` sends NVSHMEM's unique id over mpi4py under
+   ``mpirun`` (``OMPI_COMM_WORLD_SIZE`` / ``PMI_SIZE`` set) and over torch.distributed otherwise; ``uid`` and ``mpi``
+   force one of the two; ``mpi-native`` uses NVSHMEM's own MPI bootstrap plugin, which must match the MPI library;
 2. size the symmetric heap from what is about to be allocated (``NVSHMEM_SYMMETRIC_SIZE``, unless the user set it);
    with CUDA VMM (NVSHMEM's default) the heap grows on later allocations, up to ``NVSHMEM_MAX_MEMORY_PER_GPU``;
 3. initialise, then *check* the status: NVSHMEM can return from init without a transport and only die (exit 255) at
@@ -49,14 +49,16 @@ def launched_by_mpirun() -> bool:
     return any(k in os.environ for k in ("OMPI_COMM_WORLD_SIZE", "PMI_SIZE", "PMIX_RANK", "MV2_COMM_WORLD_SIZE"))
 
 
-def bootstrap_method() -> str:
-    choice = os.environ.get("DS_ODC_NVSHMEM_BOOTSTRAP", "").strip().lower()
-    if choice in ("", "auto"):
+BOOTSTRAPS = {"uid": "torch-uid", "mpi": "mpi-uid", "mpi-native": "mpi-native"}
+
+
+def bootstrap_method(choice: str = "auto") -> str:
+    """How NVSHMEM will come up for the config value ``choice`` (``auto``, ``uid``, ``mpi`` or ``mpi-native``)."""
+    if choice == "auto":
         return "mpi-uid" if launched_by_mpirun() else "torch-uid"
-    names = {"uid": "torch-uid", "torch": "torch-uid", "mpi": "mpi-uid", "mpi-native": "mpi-native"}
-    if choice not in names:
-        raise OdcError(f"ds_odc: DS_ODC_NVSHMEM_BOOTSTRAP={choice!r}; use uid, mpi or mpi-native")
-    return names[choice]
+    if choice not in BOOTSTRAPS:
+        raise OdcError(f"ds_odc: zero_optimization.odc.bootstrap={choice!r}; use auto, uid, mpi or mpi-native")
+    return BOOTSTRAPS[choice]
 
 
 def _set_heap_defaults(heap_bytes: int) -> None:
@@ -96,13 +98,13 @@ def _init_over_mpi(nvshmem, device, native: bool) -> None:
         from mpi4py import MPI
     except ImportError as err:
         raise OdcError("ds_odc: launched by mpirun, so NVSHMEM bring-up uses mpi4py, which is not installed "
-                       "(pip install mpi4py), or set DS_ODC_NVSHMEM_BOOTSTRAP=uid to bootstrap over "
+                       "(pip install mpi4py), or set zero_optimization.odc.bootstrap to \"uid\" to bootstrap over "
                        "torch.distributed instead.") from err
     comm = MPI.COMM_WORLD
     if dist.is_initialized() and (comm.Get_rank(), comm.Get_size()) != (dist.get_rank(), dist.get_world_size()):
         raise OdcError(f"ds_odc: MPI rank {comm.Get_rank()}/{comm.Get_size()} differs from torch.distributed rank "
                        f"{dist.get_rank()}/{dist.get_world_size()}; NVSHMEM PEs must be the global ranks. "
-                       "Set DS_ODC_NVSHMEM_BOOTSTRAP=uid to bootstrap over torch.distributed.")
+                       "Set zero_optimization.odc.bootstrap to \"uid\" to bootstrap over torch.distributed.")
     if native:
         nvshmem.init(device=device, mpi_comm=comm, initializer_method="mpi")
         return
@@ -111,29 +113,29 @@ def _init_over_mpi(nvshmem, device, native: bool) -> None:
     nvshmem.init(device=device, uid=uid, rank=comm.Get_rank(), nranks=comm.Get_size(), initializer_method="uid")
 
 
-def ensure_runtime(control_group, heap_bytes: int) -> Runtime:
+def ensure_runtime(control_group, heap_bytes: int, bootstrap: str = "auto") -> Runtime:
     """Bring NVSHMEM up once per process (collective on first call) and attach our kernels to it."""
     global _RUNTIME
     if _RUNTIME is not None:
         return _RUNTIME
     from ds_odc.ops.builder import load_op
     lib = load_op()
-    bootstrap = "existing"
+    how = "existing"
     if lib.init_status() < STATUS_IS_INITIALIZED:  # nobody (torch symmetric memory, the user) brought it up yet
         nvshmem, Device = _import_nvshmem4py()
         _set_heap_defaults(heap_bytes)
         device = Device(torch.cuda.current_device())
         device.set_current()
-        bootstrap = bootstrap_method()
+        how = bootstrap_method(bootstrap)
         try:
-            if bootstrap == "torch-uid":
+            if how == "torch-uid":
                 _init_over_torch(nvshmem, device, control_group)
             else:
-                _init_over_mpi(nvshmem, device, native=bootstrap == "mpi-native")
+                _init_over_mpi(nvshmem, device, native=how == "mpi-native")
         except OdcError:
             raise
         except Exception as err:  # nvshmem4py raises its own types; name the knobs instead
-            raise OdcError(f"ds_odc: NVSHMEM bring-up ({bootstrap}) failed: {err}. {_HINT}") from err
+            raise OdcError(f"ds_odc: NVSHMEM bring-up ({how}) failed: {err}. {_HINT}") from err
     status = lib.init_status()
     if not STATUS_IS_INITIALIZED <= status < STATUS_INVALID:
         raise OdcError(f"ds_odc: NVSHMEM init returned but its status is {status}, not initialised: no transport "
@@ -146,5 +148,5 @@ def ensure_runtime(control_group, heap_bytes: int) -> Runtime:
     if dist.is_initialized() and (my_pe, n_pes) != (dist.get_rank(), dist.get_world_size()):
         raise OdcError(f"ds_odc: NVSHMEM PE {my_pe}/{n_pes} is not torch.distributed rank "
                        f"{dist.get_rank()}/{dist.get_world_size()}; launch one process per GPU with the same ranks.")
-    _RUNTIME = Runtime(lib, my_pe, n_pes, bootstrap)
+    _RUNTIME = Runtime(lib, my_pe, n_pes, how)
     return _RUNTIME

@@ -16,81 +16,65 @@ import atexit
 import glob
 import mmap
 import os
-import re
 import tempfile
 import uuid
-from datetime import timedelta
+from dataclasses import dataclass, field
 from typing import Sequence
 
 import torch
 import torch.distributed as dist
 
-from ds_odc.ops.transport import FenceTimeout, Segment, SymmetricBuffer, Transport
+from ds_odc.ops.meeting import Meeting
+from ds_odc.ops.transport import GatherPlan, ScatterPlan, Segment, SymmetricBuffer, Transport, out_layout
 
 
 def _shm_dir() -> str:
     return "/dev/shm" if os.path.isdir("/dev/shm") and os.access("/dev/shm", os.W_OK) else tempfile.gettempdir()
 
 
-def control_group(process_group=None):
-    """A gloo group over the same ranks as ``process_group``: fences must time out and name ranks (gloo's
-    ``monitored_barrier``), whatever backend carries the training collectives."""
-    if dist.get_backend(process_group) == "gloo":
-        return process_group
-    ranks = dist.get_process_group_ranks(process_group) if process_group is not None else None
-    return dist.new_group(ranks=ranks, backend="gloo")
+def _map_files(paths: Sequence[str], numel: int, dtype: torch.dtype) -> list[torch.Tensor]:
+    """Every rank's file of one buffer as a tensor over a shared mapping."""
+    nbytes = max(numel, 1) * torch.empty((), dtype=dtype).element_size()
+    views = []
+    for path in paths:
+        fd = os.open(path, os.O_RDWR)
+        try:
+            mm = mmap.mmap(fd, nbytes, mmap.MAP_SHARED, mmap.PROT_READ | mmap.PROT_WRITE)
+        finally:
+            os.close(fd)
+        views.append(torch.frombuffer(mm, dtype=dtype, count=max(numel, 1))[:numel])
+    return views
 
 
-def monitored_barrier(group, timeout_s: float, what: str) -> None:
-    """A barrier that raises :class:`FenceTimeout` naming the ranks that did not arrive, instead of hanging."""
-    try:
-        dist.monitored_barrier(group=group, timeout=timedelta(seconds=timeout_s), wait_all_ranks=True)
-    except RuntimeError as err:
-        text = str(err)
-        missing = []
-        found = re.search(r"[Rr]anks? ([\d, ]+) failed", text)
-        if found:
-            missing = [int(r) for r in re.findall(r"\d+", found.group(1))]
-        who = f"ranks {missing} did not arrive" if missing else "a peer did not arrive or died"
-        raise FenceTimeout(
-            f"ds_odc: rank {dist.get_rank()}: {what} did not complete within {timeout_s:g} s: {who}. "
-            f"Look at the logs of those ranks; if their minibatch is legitimately longer, raise "
-            f"zero_optimization.odc.timeout_s. (backend said: {text.strip()[:300]})",
-            missing,
-        ) from err
+@dataclass(eq=False)
+class ShmBuffer(SymmetricBuffer):
+    peers: list[torch.Tensor] = field(default_factory=list)  # rank r's copy, mapped here
+    slots: list[torch.Tensor] | None = None  # accumulators: rank r's (world, numel) staging, slot s written by source s
 
 
-class _Mapping:
-    """All ranks' copies of one file-backed buffer, as tensors."""
+@dataclass(eq=False)
+class ShmGatherPlan(GatherPlan):
+    copies: list[tuple[int, torch.Tensor]] = field(default_factory=list)  # (output offset, peer view) per read
 
-    def __init__(self, paths: Sequence[str], numel: int, dtype: torch.dtype):
-        nbytes = max(numel, 1) * torch.empty((), dtype=dtype).element_size()
-        self.maps = []
-        self.views = []
-        for path in paths:
-            fd = os.open(path, os.O_RDWR)
-            try:
-                mm = mmap.mmap(fd, nbytes, mmap.MAP_SHARED, mmap.PROT_READ | mmap.PROT_WRITE)
-            finally:
-                os.close(fd)
-            self.maps.append(mm)
-            self.views.append(torch.frombuffer(mm, dtype=dtype, count=max(numel, 1))[:numel])
+
+@dataclass(eq=False)
+class ShmScatterPlan(ScatterPlan):
+    adds: list[tuple[int, int, int, torch.Tensor]] = field(default_factory=list)  # (input, start, n, slot view)
 
 
 class ShmTransport(Transport):
     name = "shm"
 
     def __init__(self, process_group=None, timeout_s: float = 300.0):
-        group = control_group(process_group)
-        super().__init__(dist.get_rank(group), dist.get_world_size(group), timeout_s)
-        self.group = group
+        self.meet = Meeting(process_group, timeout_s)
+        super().__init__(self.meet.rank, self.meet.world_size, timeout_s)
+        group = self.meet.group
         tag = [f"ds_odc-{os.getpid()}-{uuid.uuid4().hex[:12]}"] if self.rank == 0 else [None]
         dist.broadcast_object_list(tag, src=dist.get_global_rank(group, 0) if group is not None else 0, group=group)
         self.tag = tag[0]
         self.dir = _shm_dir()
         self._count = 0
         self._pending_unlink: set[str] = set()
-        self._buffers: list[SymmetricBuffer] = []
         atexit.register(self._unlink_pending)
 
     # -- allocation -------------------------------------------------------------------------------------------
@@ -104,25 +88,27 @@ class ShmTransport(Transport):
         self._pending_unlink.add(paths[self.rank])
         return paths
 
-    def allocate(self, numel: int, dtype: torch.dtype, *, accumulator: bool = False) -> SymmetricBuffer:
+    def allocate(self, numel: int, dtype: torch.dtype, *, accumulator: bool = False) -> ShmBuffer:
         itemsize = torch.empty((), dtype=dtype).element_size()
         name = f"b{self._count}"
         self._count += 1
         try:
             paths = self._create(name, numel * itemsize)
             staging_paths = self._create(name + "s", self.world_size * numel * itemsize) if accumulator else None
-            monitored_barrier(self.group, self.timeout_s, "symmetric allocation (files created)")
-            mapping = _Mapping(paths, numel, dtype)
-            staging = _Mapping(staging_paths, self.world_size * numel, dtype) if accumulator else None
-            monitored_barrier(self.group, self.timeout_s, "symmetric allocation (files mapped)")
+            self.meet("symmetric allocation (files created)")
+            peers = _map_files(paths, numel, dtype)
+            slots = None
+            if accumulator:
+                slots = [v.view(self.world_size, numel) for v in _map_files(staging_paths, self.world_size * numel,
+                                                                              dtype)]
+            self.meet("symmetric allocation (files mapped)")
         except BaseException:
             self._remove_job_files()
             raise
         self._unlink_pending()
-        local = torch.zeros(numel, dtype=dtype) if accumulator else mapping.views[self.rank]
-        buf = SymmetricBuffer(numel, dtype, local, accumulator, handle=(mapping, staging))
-        self._buffers.append(buf)
-        return buf
+        # An accumulator's own copy is private: peers write only into the staging slots.
+        local = torch.zeros(numel, dtype=dtype) if accumulator else peers[self.rank]
+        return ShmBuffer(numel, dtype, local, accumulator, peers=peers, slots=slots)
 
     def _unlink_pending(self) -> None:
         for path in list(self._pending_unlink):
@@ -141,37 +127,44 @@ class ShmTransport(Transport):
                 pass
 
     # -- data path ----------------------------------------------------------------------------------------------
-    def gather(self, source: SymmetricBuffer, segments: Sequence[Segment], outputs: Sequence[torch.Tensor]) -> None:
-        peers = source.handle[0].views
-        for seg, out in zip(segments, outputs):
-            for r, peer in enumerate(peers):
-                out.narrow(0, r * seg.length, seg.length).copy_(peer.narrow(0, seg.offset, seg.length))
+    def plan_gather(self, source: ShmBuffer, segments: Sequence[Segment]) -> ShmGatherPlan:
+        segments = tuple(segments)
+        offsets, total = out_layout(segments, self.world_size)
+        copies = [(off + r * seg.length, peer.narrow(0, seg.offset, seg.length))
+                  for seg, off in zip(segments, offsets) for r, peer in enumerate(source.peers)]
+        return ShmGatherPlan(source, segments, offsets, total, copies=copies)
 
-    def scatter_accumulate(self, accumulator: SymmetricBuffer, segments: Sequence[Segment],
-                           inputs: Sequence[torch.Tensor], scale: float = 1.0) -> None:
-        staging = accumulator.handle[1].views
-        my_slot = self.rank * accumulator.numel
-        for seg, inp in zip(segments, inputs):
-            inp = inp.reshape(-1)
+    def gather(self, plan: ShmGatherPlan, out: torch.Tensor) -> None:
+        for offset, peer in plan.copies:
+            out.narrow(0, offset, peer.numel()).copy_(peer)
+
+    def plan_scatter(self, accumulator: ShmBuffer, segments: Sequence[Segment],
+                     input_numels: Sequence[int]) -> ShmScatterPlan:
+        segments, numels = tuple(segments), tuple(int(n) for n in input_numels)
+        adds = []
+        for i, (seg, numel) in enumerate(zip(segments, numels)):
             for r in range(self.world_size):
-                start = r * seg.length
-                n = min(seg.length, inp.numel() - start)
+                n = min(seg.length, numel - r * seg.length)
                 if n <= 0:
                     break
-                slot = staging[r].narrow(0, my_slot + seg.offset, n)
-                slot.add_(inp.narrow(0, start, n).to(accumulator.dtype), alpha=scale)
+                adds.append((i, r * seg.length, n, accumulator.slots[r][self.rank].narrow(0, seg.offset, n)))
+        return ShmScatterPlan(accumulator, segments, numels, adds=adds)
 
-    def fence(self, accumulators: Sequence[SymmetricBuffer]) -> None:
-        monitored_barrier(self.group, self.timeout_s, "fence at the optimizer step")
+    def scatter_accumulate(self, plan: ShmScatterPlan, inputs: Sequence[torch.Tensor], scale: float = 1.0) -> None:
+        dtype = plan.accumulator.dtype
+        for i, start, n, slot in plan.adds:
+            slot.add_(inputs[i].narrow(0, start, n).to(dtype), alpha=scale)
+
+    def fence(self, accumulators: Sequence[ShmBuffer], what: str = "the fence at the optimizer step") -> None:
+        self.meet(what)
         for acc in accumulators:
-            slots = acc.handle[1].views[self.rank].view(self.world_size, acc.numel)
+            slots = acc.slots[self.rank]
             for source in range(self.world_size):  # fixed order: bit-reproducible sums
                 acc.local.add_(slots[source])
             slots.zero_()
 
-    def barrier(self) -> None:
-        monitored_barrier(self.group, self.timeout_s, "barrier after the optimizer step")
+    def barrier(self, what: str = "the barrier after the optimizer step") -> None:
+        self.meet(what)
 
     def close(self) -> None:
         self._unlink_pending()
-        self._buffers.clear()

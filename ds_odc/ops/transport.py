@@ -1,5 +1,5 @@
 """The communication interface ODC needs: symmetric buffers, a one-sided gather, a one-sided scatter-accumulate,
-and a fence at the optimizer step.
+and the collective meetings of the optimizer step.
 
 A *symmetric buffer* has the same size, dtype and layout on every rank, so a rank can address a peer's copy by the
 offset it would use locally. ZeRO-3 keeps each rank's parameter shards (and its gradient accumulation partition) in
@@ -7,23 +7,28 @@ one flat buffer whose per-parameter offsets are identical on every rank, which i
 addressable: rank ``r`` owns elements ``[r * n, (r + 1) * n)`` of a parameter whose shard has ``n`` elements, and
 stores them at the same ``offset`` in its buffer as every other rank stores its own shard.
 
+Moving data takes a *plan*: what a set of segments means for this transport (peer addresses, slot views, task
+tables), computed once with :meth:`Transport.plan_gather` / :meth:`Transport.plan_scatter` and reused every time the
+same parameters move, so nothing that stays the same from step to step is rebuilt on the hot path.
+
 Semantics every implementation keeps:
 
-* ``gather`` reads only: the owners do nothing to serve it. Data read is what the owners held at the last
-  ``barrier`` (owners change their shards only between ``fence`` and ``barrier``).
+* ``gather`` reads only: the owners do nothing to serve it. Data read is what the owners held at their last
+  ``barrier`` (owners change their shards only between ``fence`` and ``barrier``, or before a ``barrier`` that
+  publishes a write made outside the step).
 * ``scatter_accumulate`` adds only: slice ``r`` of the input is *added* into rank ``r``'s accumulator; the owner
   does nothing to serve it. Contributions from any number of ranks, in any order, sum exactly as the fence defines.
 * ``fence`` is collective: when it returns, every rank has arrived, and every accumulation issued (by any rank)
-  into this rank's accumulators before that rank arrived is visible in ``accumulator.local``. A rank that does not
-  arrive within the timeout makes the others raise :class:`FenceTimeout` naming it.
-* ``barrier`` is collective; the step protocol uses it after the optimizer update to publish the new shards and
-  the zeroed accumulators before anyone reads or pushes again.
+  into this rank's accumulators before that rank arrived is in ``accumulator.local``. A rank that does not arrive
+  within the timeout makes the others raise :class:`FenceTimeout` naming it.
+* ``barrier`` is collective with the same timeout and naming; it publishes: whatever a rank wrote into its buffers
+  before it arrived is what peers read after it returns.
 """
 
 from __future__ import annotations
 
 from abc import ABC, abstractmethod
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Sequence
 
 import torch
@@ -51,16 +56,34 @@ class Segment:
 
 @dataclass(eq=False)
 class SymmetricBuffer:
-    """A buffer allocated collectively, with the same ``numel`` and ``dtype`` on every rank.
-
-    ``local`` is this rank's copy; implementations keep whatever else they need (peer views, staging) in ``handle``.
-    """
+    """A buffer allocated collectively, with the same ``numel`` and ``dtype`` on every rank; ``local`` is this rank's
+    copy. Each transport returns its own subclass, which holds what it needs to reach the peers' copies."""
 
     numel: int
     dtype: torch.dtype
     local: torch.Tensor
-    accumulator: bool = False
-    handle: object = field(default=None, repr=False)
+    accumulator: bool
+
+
+@dataclass(eq=False)
+class GatherPlan:
+    """Reads of ``segments`` of ``source`` into one flat output of ``out_numel`` elements: segment ``i`` lands at
+    ``out_offsets[i]`` as ``world_size * segments[i].length`` elements, owner by owner."""
+
+    source: SymmetricBuffer
+    segments: tuple[Segment, ...]
+    out_offsets: tuple[int, ...]
+    out_numel: int
+
+
+@dataclass(eq=False)
+class ScatterPlan:
+    """Pushes of one input per segment into ``accumulator``: input ``i`` has ``input_numels[i]`` elements (at most
+    ``world_size * segments[i].length``; a shorter input means the last owners hold padding only)."""
+
+    accumulator: SymmetricBuffer
+    segments: tuple[Segment, ...]
+    input_numels: tuple[int, ...]
 
 
 class Transport(ABC):
@@ -79,33 +102,49 @@ class Transport(ABC):
         ``scatter_accumulate`` (implementations may attach staging space to it)."""
 
     @abstractmethod
-    def gather(self, source: SymmetricBuffer, segments: Sequence[Segment], outputs: Sequence[torch.Tensor]) -> None:
-        """For each segment ``i``: ``outputs[i][r*len:(r+1)*len] = source@r[offset:offset+len]`` for every rank ``r``.
-
-        ``outputs[i]`` is a contiguous tensor of ``world_size * segments[i].length`` elements of ``source.dtype``.
-        On CUDA the reads are ordered on the current stream."""
+    def plan_gather(self, source: SymmetricBuffer, segments: Sequence[Segment]) -> GatherPlan:
+        """Prepare reads of ``segments`` (local work only; keep the plan and reuse it)."""
 
     @abstractmethod
-    def scatter_accumulate(self, accumulator: SymmetricBuffer, segments: Sequence[Segment],
-                           inputs: Sequence[torch.Tensor], scale: float = 1.0) -> None:
-        """For each segment ``i`` and rank ``r``: ``accumulator@r[offset:offset+n] += scale * inputs[i][r*len:r*len+n]``.
-
-        ``inputs[i]`` is a flat tensor of at most ``world_size * len`` elements (ZeRO's last ranks may own padding
-        only); ``n`` is what of slice ``r`` exists. The sum is taken in ``accumulator.dtype``. On CUDA the pushes
-        are ordered on the current stream, and ``inputs`` may be reused once that stream has passed them."""
+    def gather(self, plan: GatherPlan, out: torch.Tensor) -> None:
+        """``out[plan.out_offsets[i] + r*len : ... + (r+1)*len] = source@r[offset : offset+len]`` for every segment
+        ``i`` and rank ``r``. ``out`` is contiguous, ``plan.out_numel`` elements of ``source.dtype``. On CUDA the reads
+        are ordered on the current stream."""
 
     @abstractmethod
-    def fence(self, accumulators: Sequence[SymmetricBuffer]) -> None:
-        """Collective arrival: see the module docstring."""
+    def plan_scatter(self, accumulator: SymmetricBuffer, segments: Sequence[Segment],
+                     input_numels: Sequence[int]) -> ScatterPlan:
+        """Prepare pushes of inputs of ``input_numels`` elements into ``segments`` of ``accumulator``."""
 
     @abstractmethod
-    def barrier(self) -> None:
-        """Collective arrival with the same timeout and error naming as ``fence``."""
+    def scatter_accumulate(self, plan: ScatterPlan, inputs: Sequence[torch.Tensor], scale: float = 1.0) -> None:
+        """For each segment ``i`` and rank ``r``: ``accumulator@r[offset:offset+n] += scale * inputs[i][r*len:r*len+n]``,
+        where ``n`` is what of slice ``r`` exists. ``inputs[i]`` are contiguous with the plan's numels; the sum is
+        taken in ``accumulator.dtype``. On CUDA the pushes are ordered on the current stream, and ``inputs`` may be
+        reused once that stream has passed them."""
+
+    @abstractmethod
+    def fence(self, accumulators: Sequence[SymmetricBuffer], what: str = "the fence at the optimizer step") -> None:
+        """Collective arrival that completes every push (see the module docstring). ``what`` names the occasion in
+        the error raised when a peer does not arrive."""
+
+    @abstractmethod
+    def barrier(self, what: str = "the barrier after the optimizer step") -> None:
+        """Collective arrival that publishes this rank's writes."""
 
     def zero_(self, accumulators: Sequence[SymmetricBuffer]) -> None:
-        """Zero accumulators between a ``fence`` and the following ``barrier``."""
+        """Zero accumulators (and anything staged for them) between a ``fence`` and the following ``barrier``."""
         for acc in accumulators:
             acc.local.zero_()
 
     def close(self) -> None:
         """Release everything allocated. Called at teardown (and at interpreter exit)."""
+
+
+def out_layout(segments: Sequence[Segment], world_size: int) -> tuple[tuple[int, ...], int]:
+    """Offsets of each segment's gathered copy in one flat output, and the output's size."""
+    offsets, total = [], 0
+    for seg in segments:
+        offsets.append(total)
+        total += world_size * seg.length
+    return tuple(offsets), total

@@ -1,24 +1,29 @@
-"""Every place where ds_odc touches a DeepSpeed private lives in this module.
+"""Every place where ds_odc touches DeepSpeed's internals lives in this module.
 
-Supported: ``deepspeed>=0.19.8,<0.20`` (line numbers in ``shared/design/deepspeed_seams.md``). ``check_deepspeed()``
-feature-detects each symbol at import so a DeepSpeed that moved one fails with a version message, never a hang.
-Each override below carries one line saying why it exists.
+Supported: ``deepspeed>=0.19.8,<0.20``. ``check_deepspeed()`` feature-detects each symbol at import, so a DeepSpeed
+that moved one fails with a version message, never a hang. Each override carries one line saying why it exists, and
+forwards to the engine's :class:`~ds_odc.zero.state.OdcState` (``self.odc``), which never calls back.
 """
 
 from __future__ import annotations
 
 import contextlib
 import functools
+import itertools
+import weakref
 
 import deepspeed
+import torch
 from packaging.version import Version
 
 SUPPORTED = ">=0.19.8,<0.20"
 _MIN, _MAX = Version("0.19.8"), Version("0.20")
 
-# Mangled names of DeepSpeedZeroOptimizer_Stage3 members that ODC overrides or reads.
+# Name-mangled members of DeepSpeed classes that ODC overrides or reads.
 AVG_SCATTER_GRADS = "_DeepSpeedZeroOptimizer_Stage3__avg_scatter_grads"
 PARAM_ID_TO_GRAD_PARTITION = "_DeepSpeedZeroOptimizer_Stage3__param_id_to_grad_partition"
+COORDINATOR_GATHER = "_PartitionedParameterCoordinator__all_gather_params_"
+_COORD = "_PartitionedParameterCoordinator__"
 
 
 def check_deepspeed() -> None:
@@ -28,6 +33,7 @@ def check_deepspeed() -> None:
     from deepspeed.runtime.zero.stage3 import DeepSpeedZeroOptimizer_Stage3 as Stage3
 
     version = Version(deepspeed.__version__.split("+")[0])
+    Coordinator = coordinator_module.PartitionedParameterCoordinator
     missing = [
         name for owner, name in [
             (Stage3, AVG_SCATTER_GRADS),
@@ -35,6 +41,12 @@ def check_deepspeed() -> None:
             (Stage3, "partition_grads"),
             (Stage3, "initialize_ds_offload"),
             (Stage3, "_post_step"),
+            (Stage3, "_get_fp32_grad_state_partition"),
+            (Stage3, "update_fp32_grad_for_param_vectorized"),
+            (Stage3, "set_full_hp_param"),
+            (Stage3, "set_local_hp_param"),
+            (Coordinator, COORDINATOR_GATHER),
+            (Coordinator, "reset_step"),
             (DeepSpeedEngine, "_configure_zero_optimizer"),
             (coordinator_module, "assert_ints_same_as_other_ranks"),
         ] if not hasattr(owner, name)
@@ -45,6 +57,17 @@ def check_deepspeed() -> None:
                           ". Install a supported version: pip install 'deepspeed>=0.19.8,<0.20'")
 
 
+def skip_cpu_shm_op_build() -> None:
+    """Why: ``init_distributed`` on CPU JIT-builds DeepSpeed's shared-memory op (40-65 s of g++ on first use), which only
+    ``inference_all_reduce`` needs, never ZeRO training. Through sys.modules: ``import deepspeed.comm.torch as m``
+    binds the torch package that ``deepspeed.comm`` re-exports, and patching that would silently do nothing."""
+    import sys
+
+    import deepspeed.comm  # noqa: F401  (loads deepspeed.comm.torch)
+    sys.modules["deepspeed.comm.torch"].build_shm_op = lambda: None
+
+
+# -- installing ODC -------------------------------------------------------------------------------------------------
 def install_config_model(config_cls) -> None:
     """Why: ``get_zero_config`` builds the module-global ``DeepSpeedZeroConfig`` (extra="forbid"), so the ``odc`` key
     is accepted only once that global is our subclass; ``zero.Init`` parses the same config, hence at import."""
@@ -72,12 +95,69 @@ def install_optimizer_hook(optimizer_cls, prepare) -> None:
         stock = stage3.DeepSpeedZeroOptimizer_Stage3
         stage3.DeepSpeedZeroOptimizer_Stage3 = optimizer_cls
         try:
-            return original(engine, optimizer)
+            built = original(engine, optimizer)
         finally:
             stage3.DeepSpeedZeroOptimizer_Stage3 = stock
+        if isinstance(built, optimizer_cls):
+            built.odc.accumulation = accumulation_of(engine)
+        return built
 
     _configure_zero_optimizer._ds_odc_hook = True
     engine_module.DeepSpeedEngine._configure_zero_optimizer = _configure_zero_optimizer
+
+
+def accumulation_of(engine):
+    """Why: whether the caller owns the accumulation boundary is engine state (``_is_gradient_accumulation_boundary``
+    is None unless set explicitly), and ODC needs it to tell a drop-in loop from one with uneven counts."""
+    ref = weakref.ref(engine)
+
+    def accumulation() -> tuple[str, bool]:
+        eng = ref()
+        if eng is None or not eng.managed_gradient_accumulation():
+            return "unmanaged", False
+        mode = "implicit" if eng._is_gradient_accumulation_boundary is None else "explicit"
+        return mode, bool(eng.is_gradient_accumulation_boundary())
+
+    return accumulation
+
+
+def use_coordinator_class(offload, coordinator_cls, state) -> None:
+    """Why: ``DeepSpeedZeRoOffload`` constructs its ``PartitionedParameterCoordinator`` inside its ``__init__``, with no
+    factory to override, so ODC re-classes the instance it built."""
+    coordinator = offload.param_coordinator
+    missing = [n for n in ("n_available_params", "allgather_stream", "inflight_param_registry")
+               if not hasattr(coordinator, _COORD + n)]
+    if missing:
+        raise ImportError(f"ds_odc supports deepspeed{SUPPORTED}: this DeepSpeed's parameter coordinator lacks "
+                          f"{missing}. Install a supported version: pip install 'deepspeed>=0.19.8,<0.20'")
+    coordinator.__class__ = coordinator_cls
+    coordinator.odc = state
+
+
+def grad_partition_map(optimizer) -> dict:
+    """Why: stage 3 keeps ``{ds_id: view of grad_partitions_flat_buffer}`` in a name-mangled dict that ``step`` reads;
+    ODC re-homes that buffer into transport memory and must re-point the views."""
+    return getattr(optimizer, PARAM_ID_TO_GRAD_PARTITION)
+
+
+def bind_param_methods(param, state) -> None:
+    """Why: ``zero.Init`` binds per-parameter closures; ``all_gather`` (external params, ``GatheredParameters``, the
+    persistent refresh) is a collective, so ODC reads one-sidedly instead, and ``partition(has_been_updated=True)``
+    (``GatheredParameters(modifier_rank=...)`` on exit) writes shards that peers read, so ODC publishes them."""
+    stock_partition = param.partition
+
+    def all_gather(param_list=None, async_op=False, hierarchy=0):
+        state.fetch_now([param] if param_list is None else param_list)
+        return [] if async_op else None
+
+    def partition(param_list=None, hierarchy=0, has_been_updated=False, free_data=True):
+        stock_partition(param_list=param_list, hierarchy=hierarchy, has_been_updated=has_been_updated,
+                        free_data=free_data)
+        if has_been_updated:
+            state.publish_writes("GatheredParameters(modifier_rank=...)")
+
+    param.all_gather = all_gather
+    param.partition = partition
 
 
 @contextlib.contextmanager
@@ -93,40 +173,131 @@ def no_rank_consistency_asserts():
         coordinator_module.assert_ints_same_as_other_ranks = stock
 
 
-def grad_partition_map(optimizer) -> dict:
-    """Why: stage 3 keeps ``{ds_id: view of grad_partitions_flat_buffer}`` in a name-mangled dict that ``step`` reads;
-    ODC re-homes that buffer into transport memory and must re-point the views."""
-    return getattr(optimizer, PARAM_ID_TO_GRAD_PARTITION)
+# -- overrides -------------------------------------------------------------------------------------------------------
+class CoordinatorSeams:
+    """The private ``PartitionedParameterCoordinator`` members ODC overrides (``self.odc``: the OdcState)."""
+
+    def _PartitionedParameterCoordinator__all_gather_params_(self, params, forward, quantize=False):
+        # Why: the coordinator's one all-gather site, for fetches and prefetches alike; ODC reads the owners' shards
+        # one-sidedly and registers the result where the coordinator waits for it (its private registry and counter).
+        from deepspeed.accelerator import get_accelerator
+        from deepspeed.runtime.zero.partition_parameters import ZeroParamStatus
+        if quantize:
+            raise RuntimeError("ds_odc: quantized parameter fetches are not supported with ODC")
+        todo = [p for p in params if p.ds_status == ZeroParamStatus.NOT_AVAILABLE]
+        if not todo:
+            return
+        setattr(self, _COORD + "n_available_params",
+                getattr(self, _COORD + "n_available_params") + sum(p.ds_numel for p in todo))
+        with get_accelerator().stream(getattr(self, _COORD + "allgather_stream")):
+            handle = self.odc.fetch(todo)
+        registry = getattr(self, _COORD + "inflight_param_registry")
+        for param in todo:
+            registry[param] = handle
+
+    def reset_step(self) -> None:
+        # Why: see no_rank_consistency_asserts.
+        with no_rank_consistency_asserts():
+            super().reset_step()
 
 
-def bind_param_gathers(param, gather_coalesced, gather) -> None:
-    """Why: ``zero.Init`` binds per-parameter closures ``all_gather_coalesced`` (used by the coordinator for every fetch
-    and prefetch) and ``all_gather`` (external params, ``GatheredParameters``); both are collectives, so ODC rebinds
-    them to one-sided reads (the pattern MiCS used before 0.19.8)."""
-    param.all_gather_coalesced = gather_coalesced
-    param.all_gather = gather
+class _SettlingDict(dict):
+    """``averaged_gradients``: reading an entry lands this minibatch's pushes first (writing one does not)."""
 
+    def __init__(self, values, settle):
+        super().__init__(values)
+        self._settle = settle
 
-def use_coordinator_class(offload, coordinator_cls) -> None:
-    """Why: ``DeepSpeedZeRoOffload`` constructs its ``PartitionedParameterCoordinator`` inside its ``__init__``, with no
-    factory to override, so ODC re-classes the instance it built."""
-    offload.param_coordinator.__class__ = coordinator_cls
+    def __getitem__(self, key):
+        self._settle("reading optimizer.averaged_gradients")
+        return super().__getitem__(key)
+
+    def get(self, key, default=None):
+        self._settle("reading optimizer.averaged_gradients")
+        return super().get(key, default)
+
+    def items(self):
+        self._settle("reading optimizer.averaged_gradients")
+        return super().items()
+
+    def values(self):
+        self._settle("reading optimizer.averaged_gradients")
+        return super().values()
 
 
 class Stage3Seams:
-    """The private stage-3 methods ODC overrides. Each forwards to a public ``odc_*`` hook of the ODC optimizer."""
+    """The ``DeepSpeedZeroOptimizer_Stage3`` members ODC overrides (``self.odc``: the OdcState)."""
+
+    def initialize_ds_offload(self, *args, **kwargs):
+        # Why: the coordinator this builds performs every fetch; ODC re-classes it (see use_coordinator_class).
+        from ds_odc.zero.coordinator import OdcParamCoordinator
+        offload = super().initialize_ds_offload(*args, **kwargs)
+        use_coordinator_class(offload, OdcParamCoordinator, self.odc)
+        return offload
 
     def _set_fp16_partitioned_groups_flat(self):
         # Why: right after ``lp_param_buffer`` (all trainable shards, flat) is built and before anything aliases it,
         # so the shards can move into symmetric memory that peers read.
-        self.odc_place_trainable_shards()
+        device = self.device if isinstance(self.device, torch.device) else torch.device(self.device)
+        self.odc.connect(device, self.dp_process_group)
+        params = list(itertools.chain.from_iterable(self.fp16_groups))
+        self.lp_param_buffer = self.odc.place_trainable(params, self.lp_param_buffer)
+        for param in params:
+            bind_param_methods(param, self.odc)
         super()._set_fp16_partitioned_groups_flat()
 
     def _DeepSpeedZeroOptimizer_Stage3__avg_scatter_grads(self, params, communication_data_type):
         # Why: this is where stage 3 reduce-scatters each gradient bucket; ODC pushes the slices to their owners.
-        return self.odc_push_grads(params)
+        self.odc.push(params)
+        return [None] * len(params)
+
+    def partition_grads(self, params_to_release, grad_partitions) -> list:
+        # Why: stock copies (or adds) the reduce-scattered slice into the local partition; ODC's pushes already went
+        # to the owners, so only the full gradients are freed (once the stream that pushes them has read them).
+        for param in params_to_release:
+            if param.grad is not None and param.grad.is_cuda:
+                param.grad.record_stream(torch.cuda.current_stream())
+            param.grad = None
+        return []
 
     def _post_step(self, timer_names):
         # Why: stock re-gathers persistent params here, after the update; peers must have published theirs first.
-        self.odc_publish_update()
+        self.odc.publish()
         super()._post_step(timer_names)
+
+    @property
+    def averaged_gradients(self):
+        # Why: stage 3 and its users read gradients here between backward and step; under ODC they are complete only
+        # once the pushes landed.
+        return self.__dict__["_odc_averaged_gradients"]
+
+    @averaged_gradients.setter
+    def averaged_gradients(self, value):
+        self.__dict__["_odc_averaged_gradients"] = _SettlingDict(value, self.odc.settle)
+
+    def _get_fp32_grad_state_partition(self, param, release_swap_buffers):
+        # Why: every safe_get/set_*_grad goes through here; the gradient must be complete before it is read or
+        # replaced, or the fence would add the pending pushes on top of a written value.
+        self.odc.settle("reading or writing a gradient (safe_get_*_grad / safe_set_*_grad)")
+        return super()._get_fp32_grad_state_partition(param, release_swap_buffers)
+
+    def update_fp32_grad_for_param_vectorized(self, update_func, param_list):
+        # Why: as _get_fp32_grad_state_partition, for the vectorised update (it reads the partitions directly).
+        self.odc.settle("updating gradients (safe_update_full_grad_vectorized)")
+        return super().update_fp32_grad_for_param_vectorized(update_func, param_list)
+
+    def set_full_hp_param(self, value, param, optim_state_key=None):
+        # Why: with fp32 training the master partition is the shard peers read; publish the write.
+        super().set_full_hp_param(value, param, optim_state_key)
+        self.odc.publish_writes("safe_set_full_fp32_param / safe_set_full_optimizer_state")
+
+    def set_local_hp_param(self, value, param, optim_state_key=None):
+        # Why: as set_full_hp_param, for the local variant.
+        super().set_local_hp_param(value, param, optim_state_key)
+        self.odc.publish_writes("safe_set_local_fp32_param / safe_set_local_optimizer_state")
+
+    def set_gradient_accumulation_boundary(self, is_boundary: bool) -> None:
+        # Why: a rank with no microbatch declares its boundary only here; it must take part in early gradient reads.
+        super().set_gradient_accumulation_boundary(is_boundary)
+        if is_boundary:
+            self.odc.declare_boundary()

@@ -4,7 +4,8 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from ds_odc.balancer.collate import IGNORE_INDEX, PackedCollator, count_label_tokens
+from ds_odc.balancer.collate import IGNORE_INDEX, PackedCollator
+from ds_odc.loss import count_loss_tokens
 
 LENS = [5, 9, 1, 3, 7]
 
@@ -18,14 +19,18 @@ def test_collator_layout():
     samples = _samples()
     b = PackedCollator()(samples)
     T = sum(LENS)
-    assert set(b) == {"input_ids", "position_ids", "labels"}  # no attention_mask
-    assert all(v.shape == (1, T) and v.dtype == torch.long for v in b.values())
     starts = [0, 5, 14, 15, 18]
+    assert set(b) == {"input_ids", "position_ids", "labels", "cu_seq_lens_q", "cu_seq_lens_k", "max_length_q",
+                      "max_length_k"}  # no attention_mask
+    assert all(b[k].shape == (1, T) and b[k].dtype == torch.long for k in ("input_ids", "position_ids", "labels"))
+    assert b["cu_seq_lens_q"].dtype == torch.int32 and b["cu_seq_lens_q"].tolist() == starts + [T]
+    assert b["cu_seq_lens_k"] is b["cu_seq_lens_q"] and b["max_length_q"] == b["max_length_k"] == max(LENS)
+    assert set(PackedCollator(return_flash_attn_kwargs=False)(samples)) == {"input_ids", "position_ids", "labels"}
     assert b["position_ids"][0].tolist() == [p for n in LENS for p in range(n)]
     assert all(b["labels"][0, s] == IGNORE_INDEX for s in starts)
     keep = [t for t in range(T) if t not in starts]
     assert torch.equal(b["labels"][0, keep], b["input_ids"][0, keep])
-    assert count_label_tokens(b) == sum(n - 1 for n in LENS) == T - len(LENS)
+    assert count_loss_tokens(b) == sum(n - 1 for n in LENS) == T - len(LENS)
 
 
 def test_collator_given_labels_and_padding():
@@ -34,7 +39,8 @@ def test_collator_given_labels_and_padding():
     assert b["input_ids"][0].tolist() == [1, 2, 3, 4, 5, 99, 99, 99]
     assert b["labels"][0].tolist() == [-100, 7, 8, -100, 10, -100, -100, -100]
     assert b["position_ids"][0].tolist() == [0, 1, 2, 0, 1, 0, 1, 2]
-    assert count_label_tokens(b) == 3
+    assert b["cu_seq_lens_q"].tolist() == [0, 3, 5, 8]  # the padding is a document of its own
+    assert count_loss_tokens(b) == 3
     with pytest.raises(ValueError):
         PackedCollator()([{"input_ids": [1, 2], "labels": [1]}])
     with pytest.raises(ValueError):
@@ -70,8 +76,8 @@ def test_packed_forward_equals_unpacked(impl):
         ref = torch.cat(ref)
     assert packed.shape == ref.shape == (sum(LENS) - len(LENS),)
     torch.testing.assert_close(packed, ref, atol=1e-5, rtol=1e-5)
-    # HF's own loss is the mean over exactly count_label_tokens(batch) terms
-    assert out.loss.item() == pytest.approx(ref.sum().item() / count_label_tokens(batch), abs=1e-5)
+    # HF's own loss is the mean over exactly count_loss_tokens(batch) terms
+    assert out.loss.item() == pytest.approx(ref.sum().item() / count_loss_tokens(batch), abs=1e-5)
 
 
 def test_packing_detection_needs_use_cache_false():

@@ -23,7 +23,7 @@ from ds_odc.ops.transport import FenceTimeout, Segment
 PATHS = {  # name -> (force_remote_path, scatter_method)
     "p2p": (False, "atomic"),
     "p2p-staging": (False, "staging"),
-    "rma": (True, None),
+    "rma": (True, "atomic"),  # the RMA path always stages
 }
 # Odd lengths and offsets on purpose: unaligned heads and tails, one-element parameters, several blocks.
 LENGTHS = [1, 7, 4099, (1 << 20) + 3]
@@ -67,9 +67,11 @@ def check_gather(t, rank, world, dtype, lengths=LENGTHS):
     gen = torch.Generator(device="cuda").manual_seed(rank + 7)
     buf.local.copy_(torch.randn(total, generator=gen, device="cuda").to(dtype))
     t.barrier()
-    outs = [torch.full((world * s.length,), float("nan"), dtype=dtype, device="cuda") for s in segments]
-    t.gather(buf, segments, outs)
-    for seg, out in zip(segments, outs):
+    plan = t.plan_gather(buf, segments)
+    flat = torch.full((plan.out_numel,), float("nan"), dtype=dtype, device="cuda")
+    t.gather(plan, flat)
+    for seg, offset in zip(segments, plan.out_offsets):
+        out = flat.narrow(0, offset, world * seg.length)
         ref = torch.empty_like(out)
         dist.all_gather_into_tensor(ref, buf.local.narrow(0, seg.offset, seg.length).contiguous())
         bits = torch.int16 if dtype.itemsize == 2 else torch.int32
@@ -89,7 +91,7 @@ def check_scatter_vs_reduce_scatter(t, acc, rank, world, in_dtype):
         for i, seg in enumerate(segments):
             n = world * seg.length - (5 if i == len(segments) - 1 and seg.length > 5 else 0)  # padding of last rank
             inputs.append(torch.randn(n, generator=gen, device="cuda").to(in_dtype))
-        t.scatter_accumulate(acc, segments, inputs, scale=scale)
+        t.scatter_accumulate(t.plan_scatter(acc, segments, [x.numel() for x in inputs]), inputs, scale=scale)
         for seg, inp in zip(segments, inputs):
             padded = torch.zeros(world * seg.length, dtype=torch.float32, device="cuda")
             padded[:inp.numel()] = inp.float()
@@ -112,7 +114,7 @@ def check_exact_rounds(t, acc, rank, world, rounds_by_rank, in_dtype=torch.bfloa
     segments = acc.segments
     for k in range(rounds_by_rank[rank]):
         inputs = [integer_data(world * s.length, rank, k * 31 + i, in_dtype, "cuda") for i, s in enumerate(segments)]
-        t.scatter_accumulate(acc, segments, inputs, scale=1.0)
+        t.scatter_accumulate(t.plan_scatter(acc, segments, [x.numel() for x in inputs]), inputs, scale=1.0)
     t.fence([acc])
     expected = torch.zeros_like(acc.local)
     for src in range(world):
@@ -164,7 +166,7 @@ def main():
 
     if args.scenario == "fence-timeout":
         acc = t.allocate(1024, torch.float32, accumulator=True)
-        t.scatter_accumulate(acc, [Segment(0, 512)], [torch.ones(1024, device="cuda")])
+        t.scatter_accumulate(t.plan_scatter(acc, [Segment(0, 512)], [1024]), [torch.ones(1024, device="cuda")])
         if rank == world - 1:
             report.record("skipped_fence", True)
             time.sleep(timeout_s + 10)  # stay alive, so the others see a missing rank rather than a dead socket

@@ -7,7 +7,7 @@ from pathlib import Path
 
 import pytest
 
-from ds_odc.testing import launch
+from _support.launch import launch
 from _launch import NO_MULTICAST, needs_gpus  # tests/gpu is on sys.path (rootdir conftest)
 
 WORKER = Path(__file__).resolve().parents[1] / "zero" / "worker.py"

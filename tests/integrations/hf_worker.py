@@ -1,4 +1,4 @@
-"""Distributed OdcTrainer scenarios, launched by test_hf_trainer.py through ``ds_odc.testing.launch``.
+"""Distributed OdcTrainer scenarios, launched by test_hf_trainer.py through ``_support.launch.launch``.
 
 Usage: hf_worker.py SCENARIO; rank 0 prints one ODC_RESULT line.
 """
@@ -12,7 +12,8 @@ import sys
 import tempfile
 
 import ds_odc  # noqa: F401  (the `odc` key must parse before any TrainingArguments)
-from ds_odc.testing import emit, finish, init_cpu_distributed
+from _support.launch import emit, init_test_ranks
+from ds_odc.distributed import shutdown_and_exit
 
 sys.path.insert(0, os.path.dirname(__file__))
 from _hf_workload import logged, tiny_llama, token_dataset, training_args  # noqa: E402
@@ -70,6 +71,8 @@ def scenario_equivalence():
             "samples_per_second": logged(odc, "odc/samples_per_second"),
             "microbatch_counts": counts,
             "optimizer": type(odc.model_wrapped.optimizer).__name__,
+            "odc_attention": odc.model.config._attn_implementation,
+            "odc_chunked_loss": "forward" in vars(odc.model),
             "stock_optimizer": type(stock.model_wrapped.optimizer).__name__,
             "global_steps": [odc.state.global_step, stock.state.global_step, off.state.global_step],
             "train_samples": odc.get_total_train_batch_size(odc.args),
@@ -116,9 +119,9 @@ def scenario_resume():
 
 
 def main():
-    init_cpu_distributed(timeout_s=60)
+    init_test_ranks(timeout_s=60)
     globals()[f"scenario_{sys.argv[1]}"]()
-    finish()
+    shutdown_and_exit()
 
 
 if __name__ == "__main__":

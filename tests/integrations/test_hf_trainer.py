@@ -6,7 +6,7 @@ import os
 
 import pytest
 
-from ds_odc.testing import launch
+from _support.launch import launch
 
 WORKER = os.path.join(os.path.dirname(__file__), "hf_worker.py")
 REL_TOL = 1e-4
@@ -29,6 +29,8 @@ def test_odc_lb_mini_matches_stock_zero3_loss_curve(equivalence):
     assert rel_diff(loss["odc"], loss["stock"]) <= REL_TOL, loss
     assert rel_diff(norm["odc"], norm["stock"]) <= REL_TOL, norm  # same gradients, not only the same loss
     assert loss["stock"][-1] < loss["stock"][0]  # it trained
+    # ...with OdcTrainer's defaults for packed rows: ds_odc_varlen attention and the chunked loss (stock: sdpa, logits)
+    assert equivalence["odc_attention"] == "ds_odc_varlen" and equivalence["odc_chunked_loss"]
 
 
 def test_packs_were_uneven(equivalence):
@@ -69,9 +71,14 @@ EXAMPLE = os.path.join(os.path.dirname(__file__), "..", "..", "examples", "hf_tr
 
 
 def test_example_runs_on_cpu(tmp_path):
-    out = launch(EXAMPLE, 2, ["--max-steps", "3", "--output-dir", str(tmp_path)], timeout=180).check()
+    """...with warnings shown as a user sees them: none about accumulation steps or DeepSpeed's deprecated calls."""
+    out = launch(EXAMPLE, 2, ["--max-steps", "3", "--output-dir", str(tmp_path)], timeout=180,
+                 env={"PYTHONWARNINGS": "default"}).check()
     assert "done: 3 steps" in out.stdout, out.stdout[-2000:]
     assert "odc/bubble" in out.stdout  # the balance metrics reach the console logs
+    logs = out.stdout + out.stderr
+    assert "Gradient accumulation steps mismatch" not in logs, logs[-3000:]
+    assert "all_gather_into_tensor` is deprecated" not in logs and "reduce_scatter_tensor` is deprecated" not in logs
 
 
 def test_trl_example_runs_on_cpu(tmp_path):

@@ -9,8 +9,9 @@ from accelerate.data_loader import skip_first_batches
 from ds_odc.balancer.collate import PackedCollator
 from ds_odc.balancer.sampler import BalancedBatchSampler
 from ds_odc.integrations._metrics import BalanceMeter
+from ds_odc.integrations._packs import Pack, PackBatchSampler, PackCollator, PackDataset
+from ds_odc.loss import count_loss_tokens
 from ds_odc.metrics import bubble_rate, record_from_rows
-from ds_odc.integrations._packs import Pack, PackBatchSampler, PackCollator, PackDataset, count_label_tokens
 from ds_odc.integrations.transformers import _PackLoader
 
 LENGTHS = [5, 17, 9, 30, 4, 12, 22, 7, 15, 11, 26, 6]
@@ -35,7 +36,7 @@ def test_packs_cover_each_global_minibatch_once():
         for step in range(2):
             ids = sorted(i for r in (0, 1) for mb in packs[r][step].sample_ids for i in mb)
             assert ids == sorted(order[step * 6:(step + 1) * 6].tolist())
-            tokens = sum(count_label_tokens(mb) for r in (0, 1) for mb in packs[r][step].microbatches)
+            tokens = sum(count_loss_tokens(mb) for r in (0, 1) for mb in packs[r][step].microbatches)
             assert tokens == packs[0][step].num_tokens - packs[0][step].num_samples  # labels = shifted inputs
             assert all(mb["input_ids"].shape[1] <= 32 for mb in packs[0][step].microbatches)
 

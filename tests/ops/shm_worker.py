@@ -8,7 +8,8 @@ import torch.distributed as dist
 
 from ds_odc.ops.shm import ShmTransport
 from ds_odc.ops.transport import Segment
-from ds_odc.testing import emit, finish, init_cpu_distributed
+from _support.launch import emit, init_test_ranks
+from ds_odc.distributed import shutdown_and_exit
 
 
 def scenario_stress(args, t: ShmTransport):
@@ -25,7 +26,7 @@ def scenario_stress(args, t: ShmTransport):
             n = world * seg.length - (3 if i == 3 else 0)
             values = torch.arange(n, dtype=torch.float32) % 17 + rank + rnd
             inputs.append(values.to(torch.bfloat16) if i == 1 else values)
-        t.scatter_accumulate(acc, segments, inputs)
+        t.scatter_accumulate(t.plan_scatter(acc, segments, [x.numel() for x in inputs]), inputs)
         for src in range(world):  # what every source pushed into *this* rank's slice
             for i, seg in enumerate(segments):
                 n = world * seg.length - (3 if i == 3 else 0)
@@ -52,9 +53,11 @@ def scenario_gather(args, t: ShmTransport):
         buf.local.copy_(torch.randn(300).to(dtype))
         t.barrier()
         segments = [Segment(0, 100), Segment(100, 13), Segment(113, 187)]
-        outputs = [torch.full((world * s.length,), float("nan"), dtype=dtype) for s in segments]
-        t.gather(buf, segments, outputs)
-        for seg, out in zip(segments, outputs):
+        plan = t.plan_gather(buf, segments)
+        flat = torch.full((plan.out_numel,), float("nan"), dtype=dtype)
+        t.gather(plan, flat)
+        for seg, offset in zip(segments, plan.out_offsets):
+            out = flat.narrow(0, offset, world * seg.length)
             parts = [torch.empty(seg.length, dtype=dtype) for _ in range(world)]
             dist.all_gather(parts, buf.local[seg.offset:seg.offset + seg.length].clone())
             ok.append(bool(torch.equal(out, torch.cat(parts))))
@@ -77,8 +80,8 @@ def scenario_one_sided(args, t: ShmTransport):
     else:
         start = time.monotonic()
         out = torch.empty(world * 64)
-        t.gather(params, [Segment(0, 64)], [out])
-        t.scatter_accumulate(acc, [Segment(0, 64)], [torch.ones(world * 64)])
+        t.gather(t.plan_gather(params, [Segment(0, 64)]), out)
+        t.scatter_accumulate(t.plan_scatter(acc, [Segment(0, 64)], [world * 64]), [torch.ones(world * 64)])
         done_before_wake = (time.monotonic() - start) < args.sleep / 2 and bool(out[:64].eq(1).all())
     t.fence([acc])
     flags = [None] * world
@@ -94,11 +97,11 @@ def main():
     parser.add_argument("--rounds", type=int, default=200)
     parser.add_argument("--sleep", type=float, default=3.0)
     args = parser.parse_args()
-    init_cpu_distributed(timeout_s=60)
+    init_test_ranks(timeout_s=60)
     transport = ShmTransport(timeout_s=60)
     globals()[f"scenario_{args.scenario}"](args, transport)
     transport.close()
-    finish()
+    shutdown_and_exit()
 
 
 if __name__ == "__main__":

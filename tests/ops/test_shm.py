@@ -6,7 +6,7 @@ from pathlib import Path
 
 import pytest
 
-from ds_odc.testing import launch
+from _support.launch import launch
 
 WORKER = Path(__file__).with_name("shm_worker.py")
 

@@ -1,6 +1,6 @@
 """ZeRO-3 with ODC on CPU ranks (gloo, shm transport), against stock ZeRO-3 and a single-process reference.
 
-Each test launches ranks through ``ds_odc.testing.launch`` (hard timeout, short process-group timeout) running a
+Each test launches ranks through ``_support.launch.launch`` (hard timeout, short process-group timeout) running a
 scenario of ``worker.py``; rank 0 reports numbers, asserted here.
 """
 
@@ -9,7 +9,7 @@ from pathlib import Path
 
 import pytest
 
-from ds_odc.testing import launch
+from _support.launch import launch
 
 WORKER = Path(__file__).with_name("worker.py")
 pytestmark = pytest.mark.slow

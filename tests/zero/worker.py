@@ -1,4 +1,4 @@
-"""Distributed scenarios for the ZeRO-3 + ODC tests. Launched by tests through ``ds_odc.testing.launch``.
+"""Distributed scenarios for the ZeRO-3 + ODC tests. Launched by tests through ``_support.launch.launch``.
 
 Usage: worker.py SCENARIO [options]; rank 0 prints one ODC_RESULT line.
 """
@@ -15,7 +15,8 @@ import torch
 
 import ds_odc  # noqa: F401  (installs the odc config key before any engine is built)
 from ds_odc.loss import global_mean_weight, token_loss_sum
-from ds_odc.testing import emit, finish, init_cpu_distributed
+from _support.launch import emit, init_test_ranks
+from ds_odc.distributed import shutdown_and_exit
 
 sys.path.insert(0, os.path.dirname(__file__))
 import _workload  # noqa: E402
@@ -119,9 +120,9 @@ def scenario_uneven(args):
     odc = {"enabled": True, "fetch_unit": args.fetch_unit}
     engine = build(model, ds_config(odc, clip=args.clip, managed=args.managed, optimizer="sgd", extra_zero=extra))
     persistent = len(engine.optimizer.persistent_parameters)
-    transport, reads = engine.optimizer.odc_transport, []
+    transport, reads = engine.optimizer.odc.transport, []
     gather = transport.gather
-    transport.gather = lambda *a, **k: reads.append(len(a[1])) or gather(*a, **k)
+    transport.gather = lambda plan, out: reads.append(len(plan.segments)) or gather(plan, out)
     coordinator, fetches = engine.optimizer.parameter_offload.get_param_coordinator(), []
     fetch = coordinator.fetch_sub_module
     coordinator.fetch_sub_module = lambda module, **k: fetches.append(module) or fetch(module, **k)
@@ -208,7 +209,7 @@ def scenario_fence_timeout(args):
     rank, world = rank_world()
     engine = build(tiny_llama(), ds_config({"enabled": True, "timeout_s": args.timeout}, managed=False))
     if rank == 0:
-        emit({"tag": engine.optimizer.odc_transport.tag})
+        emit({"tag": engine.optimizer.odc.transport.tag})
 
     def stall(step):
         if rank == 1 and step == 1:
@@ -286,9 +287,9 @@ def main():
         _workload.DEVICE = torch.device("cuda", local_rank)
         deepspeed.init_distributed(dist_backend="nccl", timeout=datetime.timedelta(seconds=120))
     else:
-        init_cpu_distributed(timeout_s=60 if args.scenario != "fence_timeout" else args.timeout * 2)
+        init_test_ranks(timeout_s=60 if args.scenario != "fence_timeout" else args.timeout * 2)
     globals()[f"scenario_{args.scenario}"](args)
-    finish()
+    shutdown_and_exit()
 
 
 if __name__ == "__main__":

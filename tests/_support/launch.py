@@ -1,8 +1,9 @@
-"""Helpers for multi-rank tests on CPU: launch N ranks under a hard timeout, and set each rank up to fail fast.
+"""Multi-rank tests on CPU: launch N ranks under a hard timeout, and set each rank up to fail fast.
 
 Every distributed test goes through :func:`launch`, so no test can hang: the launcher kills the whole process
-group at the deadline, and :func:`init_cpu_distributed` gives the ranks a short process-group timeout and dumps
-Python stacks shortly before the deadline.
+group at the deadline, and :func:`init_test_ranks` gives the ranks a short process-group timeout and dumps Python
+stacks shortly before the deadline. A rank reports with :func:`emit` and ends with
+:func:`ds_odc.distributed.shutdown_and_exit`.
 """
 
 from __future__ import annotations
@@ -13,28 +14,30 @@ import os
 import signal
 import subprocess
 import sys
+import time
 from dataclasses import dataclass
-from datetime import timedelta
 from pathlib import Path
 
 RESULT_PREFIX = "ODC_RESULT "
+REPO = Path(__file__).resolve().parents[2]
+TESTS = REPO / "tests"
 
 
 def cpu_env(extra: dict | None = None) -> dict:
-    """The environment CPU ranks want: one thread each, loopback only, CPU accelerator, a private JIT cache."""
-    root = Path(__file__).resolve().parent.parent
+    """The environment CPU ranks want: one thread each, loopback only, CPU accelerator, a private JIT cache, and
+    the checkout plus ``tests/`` importable (rank scripts import ``_support`` too)."""
     env = dict(os.environ)
     env.update({
-        "OMP_NUM_THREADS": "1",
+        "OMP_NUM_THREADS": os.environ.get("ODC_TEST_THREADS", "1"),  # threads per rank (a reduction-order knob)
         "GLOO_SOCKET_IFNAME": "lo",
         "MASTER_ADDR": "127.0.0.1",
         "DS_ACCELERATOR": "cpu",
-        "TORCH_EXTENSIONS_DIR": str(root / ".torch_ext"),
+        "TORCH_EXTENSIONS_DIR": str(REPO / ".torch_ext"),
         "PYTHONWARNINGS": "ignore",
         "TOKENIZERS_PARALLELISM": "false",
         "HF_HUB_OFFLINE": "1",
     })
-    env["PYTHONPATH"] = os.pathsep.join(p for p in [str(root), env.get("PYTHONPATH", "")] if p)
+    env["PYTHONPATH"] = os.pathsep.join(p for p in [str(REPO), str(TESTS), env.get("PYTHONPATH", "")] if p)
     env.update(extra or {})
     return env
 
@@ -85,6 +88,8 @@ def launch(script: str | os.PathLike, nproc: int = 2, args: list[str] | tuple = 
     cmd += [str(a) for a in args]
     full_env = cpu_env(env)
     full_env["ODC_TEST_DEADLINE_S"] = str(timeout)
+    if launcher == "mpirun":  # a free port, not DeepSpeed's fixed 29500 that concurrent jobs would share
+        full_env.setdefault("MASTER_PORT", str(_free_port()))
     proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=full_env,
                             start_new_session=True)
     try:
@@ -94,12 +99,10 @@ def launch(script: str | os.PathLike, nproc: int = 2, args: list[str] | tuple = 
         out, err = proc.communicate()
         raise AssertionError(f"ranks did not finish within {timeout} s (killed)\n--- stdout ---\n{out[-4000:]}\n"
                              f"--- stderr ---\n{err[-8000:]}")
-    results = [json.loads(line[len(RESULT_PREFIX):]) for line in out.splitlines() if line.startswith(RESULT_PREFIX)]
-    return LaunchResult(proc.returncode, out, err, results)
+    return LaunchResult(proc.returncode, out, err, _results(out))
 
 
 def _launch_plain(script, nproc, args, timeout, env) -> LaunchResult:
-    import time
     base = cpu_env(env)
     base.update({"WORLD_SIZE": str(nproc), "MASTER_PORT": str(_free_port()), "ODC_TEST_DEADLINE_S": str(timeout)})
     procs = []
@@ -122,8 +125,11 @@ def _launch_plain(script, nproc, args, timeout, env) -> LaunchResult:
     if killed:
         raise AssertionError(f"ranks {killed} did not finish within {timeout} s (killed)\n" + "\n".join(errs)[-8000:])
     out = "\n".join(outs)
-    results = [json.loads(line[len(RESULT_PREFIX):]) for line in out.splitlines() if line.startswith(RESULT_PREFIX)]
-    return LaunchResult(max(codes, key=abs), out, "\n".join(errs), results)
+    return LaunchResult(max(codes, key=abs), out, "\n".join(errs), _results(out))
+
+
+def _results(stdout: str) -> list:
+    return [json.loads(line[len(RESULT_PREFIX):]) for line in stdout.splitlines() if line.startswith(RESULT_PREFIX)]
 
 
 def _free_port() -> int:
@@ -138,31 +144,11 @@ def emit(payload: dict) -> None:
     print(RESULT_PREFIX + json.dumps(payload), flush=True)
 
 
-def init_cpu_distributed(timeout_s: float = 60.0) -> None:
-    """Set a CPU rank up to fail fast: skip DeepSpeed's inference-only shm op build (a 40-65 s g++ JIT), init gloo
-    with a short timeout, and dump stacks before the launcher's deadline."""
-    import deepspeed
-    import deepspeed.comm  # noqa: F401
-
-    comm_torch = sys.modules["deepspeed.comm.torch"]  # `import deepspeed.comm.torch as m` yields the torch package
-    comm_torch.build_shm_op = lambda: None
+def init_test_ranks(timeout_s: float = 60.0) -> None:
+    """A CPU rank under :func:`launch`: dump Python stacks 10 s before the launcher's deadline (so a killed run
+    shows where it hung), then :func:`ds_odc.distributed.init_distributed` with a short process-group timeout."""
+    from ds_odc.distributed import init_distributed
     deadline = float(os.environ.get("ODC_TEST_DEADLINE_S", "0"))
     if deadline > 15:
         faulthandler.dump_traceback_later(deadline - 10, exit=False)
-    deepspeed.init_distributed(dist_backend="gloo", timeout=timedelta(seconds=timeout_s))
-
-
-def finish(exit_code: int = 0) -> None:
-    """End a distributed script: barrier, destroy the process group, and leave without C++ static destructors.
-
-    Why the hard exit: after a successful run, gloo's threads sometimes abort the interpreter at exit
-    ("terminate called without an active exception", SIGABRT; about 1 run in 10 on CPU), which would make a
-    finished job look failed. Everything is flushed and the group is gone by then."""
-    import torch.distributed as dist
-    if dist.is_initialized():
-        dist.barrier()
-        dist.destroy_process_group()
-    faulthandler.cancel_dump_traceback_later()
-    sys.stdout.flush()
-    sys.stderr.flush()
-    os._exit(exit_code)
+    init_distributed(timeout_s=timeout_s)

@@ -1,0 +1,99 @@
+"""Where ranks meet: a barrier that times out and names the ranks that did not arrive, whatever carries the data.
+
+ODC's ranks meet only at the optimizer step (and when a write outside the step must be published), so every meeting
+must fail loudly instead of hanging. Waiting is gloo's ``monitored_barrier`` (it also notices a dead peer's closed
+connection at once); *who* is missing comes from an arrival count each rank posts in a small key-value store hosted
+by the group's first rank before it waits, so the error names ranks exactly rather than from gloo's message text.
+"""
+
+from __future__ import annotations
+
+import os
+from datetime import timedelta
+
+import torch.distributed as dist
+
+from ds_odc.ops.transport import FenceTimeout
+
+_STORE_REPLY_S = 5.0  # how long the post-mortem may wait for the store when a meeting has already failed
+
+
+def control_group(process_group=None):
+    """A gloo group over the same ranks as ``process_group``: meetings must time out and name ranks, whatever backend
+    carries the training collectives."""
+    if dist.get_backend(process_group) == "gloo":
+        return process_group
+    ranks = dist.get_process_group_ranks(process_group) if process_group is not None else None
+    return dist.new_group(ranks=ranks, backend="gloo")
+
+
+class Meeting:
+    """Collective arrival of the ranks of ``process_group`` with a timeout (collective to construct)."""
+
+    def __init__(self, process_group=None, timeout_s: float = 300.0):
+        self.group = control_group(process_group)
+        self.rank = dist.get_rank(self.group)
+        self.world_size = dist.get_world_size(self.group)
+        self.timeout_s = timeout_s
+        self.arrivals = 0
+        self.store = self._open_store()
+
+    def _open_store(self):
+        """A TCP store on the group's first rank, where each rank posts how many meetings it has reached. Optional: if
+        it cannot be opened (no reachable address), meetings still time out, naming no ranks."""
+        host = os.environ.get("MASTER_ADDR", "127.0.0.1")
+        store, port = None, [None]
+        if self.rank == 0:
+            try:
+                store = dist.TCPStore(host, 0, None, True, timedelta(seconds=self.timeout_s), wait_for_workers=False)
+                port = [store.port]
+            except Exception:  # noqa: BLE001 - the store only improves error messages
+                store = None
+        first = dist.get_global_rank(self.group, 0) if self.group is not None else 0
+        dist.broadcast_object_list(port, src=first, group=self.group)
+        if port[0] is None:
+            return None
+        try:
+            if store is None:
+                store = dist.TCPStore(host, port[0], None, False, timedelta(seconds=self.timeout_s))
+            store.set(self._key(self.rank), "0")
+        except Exception:  # noqa: BLE001
+            store = None
+        ok = [store is not None]
+        everyone = [None] * self.world_size
+        dist.all_gather_object(everyone, ok[0], group=self.group)
+        return store if all(everyone) else None
+
+    @staticmethod
+    def _key(rank: int) -> str:
+        return f"ds_odc/arrived/{rank}"
+
+    def __call__(self, what: str, timeout_s: float | None = None) -> None:
+        """Wait until every rank has arrived at this meeting, or raise :class:`FenceTimeout` naming the others."""
+        self.arrivals += 1
+        timeout = self.timeout_s if timeout_s is None else timeout_s
+        if self.store is not None:
+            self.store.set(self._key(self.rank), str(self.arrivals))
+        try:
+            dist.monitored_barrier(group=self.group, timeout=timedelta(seconds=timeout), wait_all_ranks=True)
+        except RuntimeError as err:
+            missing = self.missing()
+            who = f"ranks {missing} did not arrive" if missing else "a peer did not arrive or died"
+            raise FenceTimeout(
+                f"ds_odc: rank {self.rank}: {what} did not complete within {timeout:g} s: {who}. Look at the logs of "
+                f"those ranks; if their minibatch is legitimately longer, raise zero_optimization.odc.timeout_s. "
+                f"(backend said: {str(err).strip()[:300]})", missing) from err
+
+    def missing(self) -> list[int]:
+        """Ranks whose posted arrival count is behind this rank's (empty when that cannot be told)."""
+        if self.store is None:
+            return []
+        behind = []
+        try:
+            self.store.set_timeout(timedelta(seconds=_STORE_REPLY_S))
+            for r in range(self.world_size):
+                if r != self.rank and int(self.store.get(self._key(r))) < self.arrivals:
+                    behind.append(r)
+        except Exception:  # noqa: BLE001 - the store's host may be the rank that died
+            return [0] if self.rank != 0 else []
+        return behind

@@ -1,0 +1,113 @@
+"""The command line of an SFT run, shared by ``examples/sft.py`` and the torch baselines in ``benchmarks/``.
+
+One parser, so every engine takes the same flags and ``benchmarks/e2e.py`` can hand them the same command; plus the
+two things a run derives from its flags: the samples (lengths, and token ids for real text) and the balancer's cost.
+"""
+
+from __future__ import annotations
+
+import argparse
+from typing import Any, Mapping
+
+import numpy as np
+import torch
+
+from ds_odc import attention
+from ds_odc.balancer import FittedCost, QuadraticCost
+from ds_odc.balancer.presets import PRESETS
+from ds_odc.loss import use_chunked_loss
+from ds_odc.workloads import MODEL_SHAPES, load_lengths, tokenize_text_file
+
+__all__ = ["sft_argument_parser", "samples_from_args", "cost_from_args", "prepare_model", "on_device"]
+
+
+def sft_argument_parser(description: str | None = None, deepspeed_config: bool = True) -> argparse.ArgumentParser:
+    """The flags of an SFT run; ``deepspeed_config``: whether ``--deepspeed CONFIG.json`` is required."""
+    p = argparse.ArgumentParser(description=description, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--model", default="tiny", choices=sorted(MODEL_SHAPES))
+    p.add_argument("--model-path", help="a local Hugging Face checkpoint (overrides --model)")
+    data = p.add_mutually_exclusive_group()
+    data.add_argument("--lengths-file", help="one sample length (tokens) per line; token ids are random")
+    data.add_argument("--preset", choices=sorted(PRESETS), help="synthetic lengths (see ds_odc.balancer.presets)")
+    data.add_argument("--data", help="a local .jsonl/.parquet file with a 'text' field (needs --tokenizer)")
+    p.add_argument("--tokenizer", help="local tokenizer directory for --data")
+    p.add_argument("--num-samples", type=int, default=None, help="dataset size for --preset (default: enough)")
+    p.add_argument("--length-scale", type=float, default=1.0, help="multiply preset lengths (tiny CPU runs)")
+    p.add_argument("--equal-lengths", type=int, default=None, help="every sample this long (no-regression runs)")
+    p.add_argument("--balancer", default="lb-mini", choices=["local-sort", "lb-micro", "lb-mini"])
+    p.add_argument("--cost", default="auto", choices=["auto", "tokens", "quadratic", "fitted"],
+                   help="balancer cost model; auto (default): refitted every step from the measured busy times, "
+                        "starting from the model's shape; quadratic: a*L + b*L^2 from the model's shape; fitted: "
+                        "--cost-coeffs")
+    p.add_argument("--cost-coeffs", default=None, metavar="A,B,C",
+                   help="fitted cost a*L + b*L^2 per sample + c per microbatch (python -m ds_odc.balancer.fit RUN.json "
+                        "prints them for a run)")
+    p.add_argument("--minibatch-size", type=int, default=4, help="samples per rank per optimizer step")
+    p.add_argument("--max-tokens", type=int, default=None, help="token budget per microbatch (default: 1 sample)")
+    p.add_argument("--oversize", default="error", choices=["error", "truncate", "skip"],
+                   help="a sample longer than --max-tokens: stop with an error, truncate it, or skip it (counted)")
+    p.add_argument("--steps", type=int, default=5)
+    p.add_argument("--warmup-steps", type=int, default=0, help="steps excluded from the summary")
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--no-shuffle", action="store_true", help="take samples in file order (benchmarks)")
+    if deepspeed_config:
+        p.add_argument("--deepspeed", required=True, help="ds_config JSON")
+    p.add_argument("--attn-implementation", default="ds_odc_varlen",
+                   help="transformers attention; default ds_odc_varlen: each packed document attends to itself only, "
+                        "with no per-length planning (ds_odc.attention)")
+    p.add_argument("--attention-kernel", default="auto", choices=["auto", "varlen", "sdpa"],
+                   help="kernel of ds_odc_varlen: torch's varlen flash attention (GPU) or sdpa per document")
+    p.add_argument("--loss-chunk-tokens", type=int, default=4096,
+                   help="compute the loss this many positions at a time, never the full logits (0: full logits)")
+    p.add_argument("--sdpa-backends", default=None,
+                   help="comma list of the sdpa kernels torch may pick from (flash, efficient, cudnn, math); default: "
+                        "all. cuDNN plans each new sequence length on the host, which variable lengths pay for")
+    p.add_argument("--gradient-checkpointing", action="store_true")
+    p.add_argument("--zero-init", action="store_true",
+                   help="build the model partitioned with deepspeed.zero.Init (GPU; fails on CPU with torch 2.13)")
+    p.add_argument("--metrics-json")
+    p.add_argument("--profile-step", type=int, default=None,
+                   help="profile this step (torch profiler): host vs device time, top ops, Chrome trace")
+    p.add_argument("--profile-dir", default="profile", help="where --profile-step writes its files")
+    p.add_argument("--timeline", help="draw per-rank busy/wait bars of the last steps to this PNG")
+    p.add_argument("--quiet", action="store_true", help="no progress bar and no summary lines")
+    p.add_argument("--local_rank", type=int, default=None)  # the deepspeed launcher passes it
+    return p
+
+
+def samples_from_args(args: argparse.Namespace) -> tuple[np.ndarray, list[list[int]] | None]:
+    """Per-sample lengths, plus the token ids when the data is real text (``--data``)."""
+    if args.data:
+        if not args.tokenizer:
+            raise SystemExit("--data needs --tokenizer DIR (a local tokenizer)")
+        ids = tokenize_text_file(args.data, args.tokenizer)
+        return np.array([len(x) for x in ids], dtype=np.int64), ids
+    return load_lengths(lengths_file=args.lengths_file, preset=args.preset, equal_lengths=args.equal_lengths,
+                        num_samples=args.num_samples, length_scale=args.length_scale, seed=args.seed), None
+
+
+def cost_from_args(args: argparse.Namespace, model_config):
+    """The balancer's cost of a sample, from ``--cost`` (and ``--cost-coeffs``)."""
+    if args.cost == "quadratic":
+        return QuadraticCost.from_hf_config(model_config)
+    if args.cost == "fitted":
+        if not args.cost_coeffs:
+            raise SystemExit("--cost fitted needs --cost-coeffs A,B,C (cost = A*L + B*L^2 + C)")
+        a, b, c = (float(x) for x in args.cost_coeffs.split(","))
+        return FittedCost(a=a, b=b, c=c)
+    return args.cost  # "auto" (the sampler fits it; pass it the model config) or "tokens"
+
+
+def prepare_model(model: torch.nn.Module, args: argparse.Namespace) -> torch.nn.Module:
+    """The model options of the flags: attention kernel, chunked loss, activation checkpointing."""
+    attention.set_kernel(args.attention_kernel)
+    if args.loss_chunk_tokens:
+        use_chunked_loss(model, chunk_tokens=args.loss_chunk_tokens)
+    if args.gradient_checkpointing:
+        model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+    return model
+
+
+def on_device(row: Mapping[str, Any], device: torch.device) -> dict[str, Any]:
+    """A collated microbatch on ``device`` (tensors moved, Python ints such as ``max_length_q`` kept)."""
+    return {k: v.to(device, non_blocking=True) if torch.is_tensor(v) else v for k, v in row.items()}

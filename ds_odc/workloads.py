@@ -1,0 +1,72 @@
+"""Synthetic SFT workloads: model shapes, sample lengths and token ids that are the same in every run.
+
+What the examples and benchmarks train on when nothing is downloaded: a Qwen2.5-shaped model with random weights,
+sample lengths from a file or a preset distribution, and random token ids derived from the sample's index (so a
+sample is identical in every mode, on every rank, in every process that needs it).
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import numpy as np
+import torch
+
+from ds_odc.balancer.presets import get_preset
+
+__all__ = ["MODEL_SHAPES", "model_config", "load_lengths", "tokenize_text_file", "sample_tokens"]
+
+MODEL_SHAPES: dict[str, dict] = {
+    # Qwen2.5 shapes (random init: nothing is downloaded).
+    "tiny": dict(hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
+                 num_key_value_heads=2, vocab_size=1000, tie_word_embeddings=False),
+    "qwen2.5-0.5b": dict(hidden_size=896, intermediate_size=4864, num_hidden_layers=24, num_attention_heads=14,
+                         num_key_value_heads=2, vocab_size=151936, tie_word_embeddings=True),
+    "qwen2.5-1.5b": dict(hidden_size=1536, intermediate_size=8960, num_hidden_layers=28, num_attention_heads=12,
+                         num_key_value_heads=2, vocab_size=151936, tie_word_embeddings=True),
+    "qwen2.5-7b": dict(hidden_size=3584, intermediate_size=18944, num_hidden_layers=28, num_attention_heads=28,
+                       num_key_value_heads=4, vocab_size=152064, tie_word_embeddings=False),
+}
+
+
+def model_config(shape: str, max_position_embeddings: int = 131072):
+    """A ``Qwen2Config`` of one of :data:`MODEL_SHAPES`, without a KV cache.
+
+    ``use_cache=False``: transformers detects the sample boundaries of a packed row only when no cache exists."""
+    from transformers import Qwen2Config
+    try:
+        shape_kwargs = MODEL_SHAPES[shape]
+    except KeyError:
+        raise ValueError(f"unknown model shape {shape!r}; choose one of {sorted(MODEL_SHAPES)}") from None
+    return Qwen2Config(**shape_kwargs, max_position_embeddings=max_position_embeddings, use_cache=False)
+
+
+def load_lengths(*, lengths_file: str | Path | None = None, preset: str | None = None,
+                 equal_lengths: int | None = None, num_samples: int | None = None, length_scale: float = 1.0,
+                 seed: int = 0) -> np.ndarray:
+    """Per-sample token counts (int64, each >= 2): from a file (one length per line), all ``equal_lengths``, or drawn
+    from a preset (default ``baselines-longtail``); then multiplied by ``length_scale`` (tiny CPU runs)."""
+    needed = num_samples or 10_000
+    if lengths_file:
+        lengths = np.loadtxt(lengths_file, dtype=np.int64).reshape(-1)
+    elif equal_lengths:
+        lengths = np.full(needed, equal_lengths, dtype=np.int64)
+    else:
+        lengths = get_preset(preset or "baselines-longtail").sample(needed, seed)
+    return np.maximum(2, np.round(lengths * length_scale)).astype(np.int64)
+
+
+def tokenize_text_file(path: str | Path, tokenizer_dir: str | Path) -> list[list[int]]:
+    """Token ids of every ``text`` field of a local ``.jsonl`` or ``.parquet`` file, with a local tokenizer."""
+    from datasets import load_dataset
+    from transformers import AutoTokenizer
+    tokenizer = AutoTokenizer.from_pretrained(str(tokenizer_dir))
+    kind = "parquet" if str(path).endswith(".parquet") else "json"
+    texts = load_dataset(kind, data_files=str(path), split="train")["text"]
+    return [tokenizer(t)["input_ids"] for t in texts]
+
+
+def sample_tokens(index: int, length: int, vocab: int, seed: int) -> torch.Tensor:
+    """Random token ids of sample ``index``, a function of (index, length, vocab, seed) only."""
+    g = torch.Generator().manual_seed(seed * 1_000_003 + index)
+    return torch.randint(0, vocab, (length,), generator=g)

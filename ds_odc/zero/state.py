@@ -1,0 +1,317 @@
+"""The ODC step: one object that owns where every shard and gradient partition lives and how they move.
+
+DeepSpeed's stage-3 optimizer and parameter coordinator keep deciding *when* (trace, prefetch, buckets, release,
+the update itself); :class:`OdcState` decides *how*, in four operations:
+
+* :meth:`fetch` (hop one): assemble full parameters from the owners' shards with one-sided reads;
+* :meth:`push` (hop two): add this rank's gradient slices into the owners' fp32 accumulators, one-sidedly;
+* :meth:`fence` (hop three): the step's meeting, after which every push has landed;
+* :meth:`publish`: empty the accumulators and meet again, so the updated shards are what peers read next.
+
+It is reached from DeepSpeed only through ``_deepspeed_privates`` (which forwards to it and is never called back)
+and talks to peers only through a :class:`~ds_odc.ops.transport.Transport`. Everything that stays the same from
+step to step (each parameter's place, each fetch group's and gradient bucket's transport plan) is computed once.
+
+Gradients read, written or dropped between ``backward`` and ``step`` (:meth:`settle`, :meth:`discard`) and shards
+written outside the step (:meth:`publish_writes`, replaced shards in :meth:`fetch`) are made to behave as under
+stock ZeRO-3, where every rank meets at those points anyway.
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass
+from typing import Callable, Iterable, Sequence
+
+import torch
+from deepspeed.runtime.zero.partition_parameters import ZeroParamStatus
+
+from ds_odc.config import OdcConfig
+from ds_odc.ops import make_transport
+from ds_odc.ops.transport import GatherPlan, OdcError, ScatterPlan, Segment, SymmetricBuffer, Transport
+
+NOT_AVAILABLE, INFLIGHT, AVAILABLE = ZeroParamStatus.NOT_AVAILABLE, ZeroParamStatus.INFLIGHT, ZeroParamStatus.AVAILABLE
+
+
+@dataclass(frozen=True)
+class ShardPlace:
+    """Where one parameter's shard lives: ``numel`` elements at ``offset`` of ``buffer`` on every rank."""
+
+    buffer: SymmetricBuffer
+    offset: int
+    numel: int
+    address: int  # data_ptr of this rank's copy: a ds_tensor somewhere else was replaced behind our back
+
+
+@dataclass(frozen=True)
+class GradPlace:
+    """Where one parameter's gradient partition lives in the accumulator."""
+
+    offset: int
+    numel: int
+
+
+@dataclass(frozen=True)
+class FetchPlan:
+    """One fetch group (the same parameters, fetched together, every step): a transport plan per source buffer, and
+    where each parameter's full tensor sits in that plan's output."""
+
+    params: tuple[torch.nn.Parameter, ...]
+    reads: tuple[GatherPlan, ...]  # empty at world size 1: parameters are views of the shards themselves
+    views: tuple[tuple[int, int], ...]  # per parameter: (read index, offset in that read's output)
+
+
+class FetchHandle:
+    """What the coordinator waits on. The reads were enqueued on the current (fetch) stream when the handle was made,
+    and the coordinator orders the compute stream after that stream, so waiting only marks the params available."""
+
+    __slots__ = ("params", "done")
+
+    def __init__(self, params: Sequence[torch.nn.Parameter]):
+        self.params = params
+        self.done = False
+
+    def wait(self, handle_dependency: bool = True, **kwargs) -> None:
+        if not self.done:
+            for param in self.params:
+                param.ds_status = AVAILABLE
+            self.done = True
+
+
+# (mode, at_boundary): mode is "implicit" (gradient_accumulation_steps counts the microbatches: drop-in),
+# "explicit" (the caller sets the boundary) or "unmanaged" (step() is the boundary).
+Accumulation = Callable[[], tuple[str, bool]]
+
+
+class OdcState:
+    """The ODC half of one engine's ZeRO-3 step (see the module docstring)."""
+
+    def __init__(self, config: OdcConfig):
+        self.config = config
+        self.transport: Transport | None = None
+        self.shards: dict[int, ShardPlace] = {}
+        self.params: dict[int, torch.nn.Parameter] = {}
+        self.grads: dict[int, GradPlace] = {}
+        self.trainable: SymmetricBuffer | None = None
+        self.frozen: list[SymmetricBuffer] = []
+        self.accumulator: SymmetricBuffer | None = None
+        self.accumulation: Accumulation = lambda: ("implicit", True)
+        self.wait_s = 0.0  # time the last step waited for peers (fence + publish): metrics read it
+        self.published = True  # the current step's publish ran (every step publishes exactly once, on every rank)
+        self.in_step = False  # between start_step() and publish(): DeepSpeed's own step is using the gradients
+        self.open = False  # this rank pushed or declared its boundary since the last publish
+        self.settled = False  # every push of this minibatch so far has landed (a fence ran since the last push)
+        self._fetch_plans: dict[tuple[int, ...], FetchPlan] = {}
+        self._push_plans: dict[tuple[int, ...], ScatterPlan] = {}
+
+    # -- placement (once, while DeepSpeed builds its optimizer) --------------------------------------------------------
+    def connect(self, device: torch.device, process_group) -> Transport:
+        if self.transport is None:
+            self.transport = make_transport(self.config, device, process_group)
+        return self.transport
+
+    def place_trainable(self, params: Iterable[torch.nn.Parameter], flat: torch.Tensor) -> torch.Tensor:
+        """Move DeepSpeed's flat buffer of trainable shards (``lp_param_buffer``) into symmetric memory, at the same
+        offsets, and return the symmetric copy for DeepSpeed to use instead."""
+        if self.trainable is not None:
+            raise NotImplementedError("ds_odc: re-homing parameter shards (offload_states / reload_states) is not "
+                                      "supported with ODC")
+        self.trainable = self.transport.allocate(flat.numel(), flat.dtype)
+        for param in params:
+            shard = param.ds_tensor
+            offset = (shard.data_ptr() - flat.data_ptr()) // shard.element_size()
+            self._move(param, self.trainable, offset)
+        return self.trainable.local
+
+    def place_frozen(self, params: Sequence[torch.nn.Parameter]) -> None:
+        """Frozen ZeRO params are not in ``lp_param_buffer``: give them symmetric buffers of their own, per dtype."""
+        params = sorted(params, key=lambda p: p.ds_id)
+        for dtype in sorted({p.ds_tensor.dtype for p in params}, key=str):
+            group = [p for p in params if p.ds_tensor.dtype == dtype]
+            buffer = self.transport.allocate(sum(p.ds_tensor.numel() for p in group), dtype)
+            offset = 0
+            for param in group:
+                self._move(param, buffer, offset)
+                offset += param.ds_tensor.numel()
+            self.frozen.append(buffer)
+
+    def _move(self, param: torch.nn.Parameter, buffer: SymmetricBuffer, offset: int) -> None:
+        shard = param.ds_tensor
+        view = buffer.local.narrow(0, offset, shard.numel())
+        view.copy_(shard.data.reshape(-1))
+        shard.data = view.view(shard.shape)
+        self.shards[param.ds_id] = ShardPlace(buffer, offset, shard.numel(), view.data_ptr())
+        self.params[param.ds_id] = param
+
+    def place_accumulator(self, params: Iterable[torch.nn.Parameter], numel: int) -> dict[int, torch.Tensor]:
+        """Allocate the fp32 accumulation partition peers push into (same layout as DeepSpeed's
+        ``grad_partitions_flat_buffer``); returns each parameter's view of it. Always fp32: pushes from many
+        microbatches and ranks add up there (stock bf16 training would accumulate in bf16)."""
+        self.accumulator = self.transport.allocate(numel, torch.float32, accumulator=True)
+        views, offset = {}, 0
+        for param in params:
+            n = param.partition_numel()
+            views[param.ds_id] = self.accumulator.local.narrow(0, offset, n)
+            self.grads[param.ds_id] = GradPlace(offset, n)
+            offset += n
+        return views
+
+    # -- hop one: parameters ------------------------------------------------------------------------------------------
+    def fetch(self, params: Iterable[torch.nn.Parameter]) -> FetchHandle:
+        """Start reading every listed (partitioned) parameter from its owners, on the current stream."""
+        params = sorted(params, key=lambda p: p.ds_id)
+        key = tuple(p.ds_id for p in params)
+        plan = self._fetch_plans.get(key)
+        if plan is None:
+            plan = self._fetch_plans[key] = self._plan_fetch(params)
+        for param in plan.params:
+            if param.ds_tensor.data_ptr() != self.shards[param.ds_id].address:
+                self._adopt_replaced_shards()
+                break
+        if plan.reads:
+            outs = []
+            for read in plan.reads:
+                out = torch.empty(read.out_numel, dtype=read.source.dtype, device=read.source.local.device)
+                self.transport.gather(read, out)
+                outs.append(out)
+            for param, (i, offset) in zip(plan.params, plan.views):
+                param.data = outs[i].narrow(0, offset, param.ds_numel).view(param.ds_shape)
+                param.ds_status = INFLIGHT
+        else:  # one rank: the shard is the whole parameter
+            for param in plan.params:
+                place = self.shards[param.ds_id]
+                param.data = place.buffer.local.narrow(0, place.offset, param.ds_numel).view(param.ds_shape)
+                param.ds_status = INFLIGHT
+        return FetchHandle(plan.params)
+
+    def fetch_now(self, params: Iterable[torch.nn.Parameter]) -> None:
+        """Read the listed parameters that are partitioned, and wait (``param.all_gather()``)."""
+        todo = [p for p in params if p.ds_status == NOT_AVAILABLE]
+        if todo:
+            self.fetch(todo).wait()
+
+    def _plan_fetch(self, params: list[torch.nn.Parameter]) -> FetchPlan:
+        for param in params:
+            if param.ds_status != NOT_AVAILABLE:
+                raise OdcError(f"ds_odc: fetching a parameter that is not partitioned: {param.ds_summary()}")
+            if param.ds_id not in self.shards:
+                raise OdcError(f"ds_odc: parameter {param.ds_id} has no symmetric shard (was it added to the model "
+                               "after deepspeed.initialize?)")
+        if self.transport.world_size == 1:
+            return FetchPlan(tuple(params), (), ())
+        buffers = list({id(self.shards[p.ds_id].buffer): self.shards[p.ds_id].buffer for p in params}.values())
+        reads, views = [], [None] * len(params)
+        for i, buffer in enumerate(buffers):
+            members = [j for j, p in enumerate(params) if self.shards[p.ds_id].buffer is buffer]
+            segments = [Segment(self.shards[params[j].ds_id].offset, self.shards[params[j].ds_id].numel)
+                        for j in members]
+            read = self.transport.plan_gather(buffer, segments)
+            for j, out_offset in zip(members, read.out_offsets):
+                views[j] = (i, out_offset)
+            reads.append(read)
+        return FetchPlan(tuple(params), tuple(reads), tuple(views))
+
+    # -- hop two: gradients -------------------------------------------------------------------------------------------
+    def push(self, params: Sequence[torch.nn.Parameter]) -> None:
+        """Add every parameter's gradient, slice by slice, into its owners' accumulators, averaged over the ranks (as
+        the reduce-scatter it replaces)."""
+        key = tuple(p.ds_id for p in params)
+        plan = self._push_plans.get(key)
+        if plan is None:
+            segments = [Segment(self.grads[p.ds_id].offset, self.grads[p.ds_id].numel) for p in params]
+            plan = self._push_plans[key] = self.transport.plan_scatter(self.accumulator, segments,
+                                                                       [p.ds_numel for p in params])
+        self.transport.scatter_accumulate(plan, [p.grad.reshape(-1) for p in params],
+                                          scale=1.0 / self.transport.world_size)
+        self.open, self.settled = True, False
+
+    def declare_boundary(self) -> None:
+        """This rank reached the end of its minibatch (possibly with no microbatch at all)."""
+        self.open = True
+
+    # -- hop three: the step ------------------------------------------------------------------------------------------
+    def fence(self, what: str = "the fence at the optimizer step") -> None:
+        """Meet every rank; afterwards every push issued before any rank arrived is in the accumulator."""
+        started = time.perf_counter()
+        self.transport.fence([self.accumulator], what)
+        self.wait_s += time.perf_counter() - started
+        self.settled = True
+
+    def publish(self) -> None:
+        """Empty the accumulator and meet the other ranks, so that nobody reads a shard before its owner updated it
+        or pushes into an accumulator before its owner emptied it."""
+        self.transport.zero_([self.accumulator])
+        started = time.perf_counter()
+        self.transport.barrier("the barrier after the optimizer step")
+        self.wait_s += time.perf_counter() - started
+        self.open = self.settled = self.in_step = False
+        self.published = True
+
+    def start_step(self) -> None:
+        self.wait_s = 0.0
+        self.published = False
+        self.in_step = True
+
+    # -- gradients and shards touched outside the step (stock semantics) ---------------------------------------------
+    def settle(self, why: str) -> None:
+        """Before a gradient of this minibatch is read or written ahead of the step: land every push now. Stock ZeRO-3
+        reduces after each backward; ODC meets only at the step, so a read in between meets early, on every rank."""
+        if not self.open or self.settled:
+            return  # nothing pushed since the step (or it all landed already): local, as stock
+        mode, at_boundary = self.accumulation()
+        if mode == "unmanaged":
+            raise OdcError(f"ds_odc: {why} between backward() and step() with managed_gradient_accumulation=false: "
+                           "ranks may run different numbers of microbatches, so this rank cannot know the others' "
+                           "gradients are complete. Read gradients after engine.step() (e.g. "
+                           "engine.get_global_grad_norm()), or use managed accumulation and read them on every rank "
+                           "after set_gradient_accumulation_boundary(True) and the last backward.")
+        if mode == "explicit" and not at_boundary:
+            raise OdcError(f"ds_odc: {why} in the middle of a minibatch: with explicit accumulation boundaries ranks "
+                           "may run different numbers of microbatches, so the gradients of this minibatch exist only "
+                           "once every rank has reached its boundary. Do it on every rank after "
+                           "set_gradient_accumulation_boundary(True) and the last backward, or after engine.step().")
+        what = f"completing this minibatch's gradients early for {why} (every rank must do it)"
+        self.fence(what)
+        # Meet once more: a peer past the fence must not push its next microbatch into slots this rank still drains.
+        self.transport.barrier(what)
+
+    def discard(self, why: str) -> None:
+        """Drop this minibatch's gradients so far, on every rank (``optimizer.zero_grad()`` before the step; stock's
+        step calls it too, after the gradients were taken, which must drop nothing)."""
+        if not self.open or self.in_step:
+            return
+        self.settle(why)
+        self.transport.zero_([self.accumulator])
+
+    def publish_writes(self, why: str) -> None:
+        """Shards were written outside the step (on every rank): meet, so peers read the new values."""
+        self.transport.barrier(f"publishing parameters written by {why} (every rank must do it)")
+
+    def _adopt_replaced_shards(self) -> None:
+        """Someone assigned ``param.ds_tensor.data = new`` after ``deepspeed.initialize``: peers read shards from
+        symmetric memory, so copy every replaced shard there, point ``ds_tensor`` back at it, and meet."""
+        for place, param in self._replaced():
+            view = place.buffer.local.narrow(0, place.offset, place.numel)
+            view.copy_(param.ds_tensor.data.reshape(-1))
+            param.ds_tensor.data = view.view(param.ds_tensor.shape)
+        self.publish_writes("assigning param.ds_tensor.data after deepspeed.initialize")
+
+    def _replaced(self):
+        for ds_id, place in self.shards.items():
+            param = self.params[ds_id]
+            if param.ds_tensor.data_ptr() != place.address:
+                if param.ds_tensor.numel() != place.numel:
+                    raise OdcError(f"ds_odc: parameter {ds_id}'s ds_tensor was replaced by one of "
+                                   f"{param.ds_tensor.numel()} elements; its shard has {place.numel}")
+                yield place, param
+
+    def check_shards_in_place(self, params: Iterable[torch.nn.Parameter]) -> None:
+        """After a checkpoint load: every shard must still be in symmetric memory (peers read it there)."""
+        for param in params:
+            if param.ds_tensor.data_ptr() != self.shards[param.ds_id].address:
+                raise OdcError("ds_odc: a checkpoint load moved parameter shards out of symmetric memory; this "
+                               "DeepSpeed version is not supported with ODC")
+
+    def close(self) -> None:
+        if self.transport is not None:
+            self.transport.close()

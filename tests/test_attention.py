@@ -1,0 +1,136 @@
+"""``attn_implementation="ds_odc_varlen"`` on CPU: a packed row gives exactly what each document gives alone.
+
+Reference: every document through the same model on its own (``sdpa``, no packing), per-token losses summed;
+packed: the documents in one row (PackedCollator), one forward. Losses and every parameter gradient must agree
+within fp32 rounding (measured: ~1e-7 relative), for Qwen2 and Llama shapes, rows with length-1 documents, and the
+boundaries given either as cu_seq_lens (collator) or only as restarting position ids.
+"""
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from ds_odc import attention
+from ds_odc.balancer.collate import PackedCollator
+
+LENGTHS = [7, 1, 12, 3, 1, 9]  # several documents, two of length 1
+TOL = 2e-6
+
+
+def _model(kind: str, impl: str):
+    from transformers import LlamaConfig, LlamaForCausalLM, Qwen2Config, Qwen2ForCausalLM
+    shape = dict(hidden_size=64, intermediate_size=96, num_hidden_layers=2, num_attention_heads=4,
+                 num_key_value_heads=2, vocab_size=211, max_position_embeddings=128, use_cache=False)
+    torch.manual_seed(0)
+    if kind == "qwen2":
+        model = Qwen2ForCausalLM(Qwen2Config(**shape, tie_word_embeddings=True))
+    else:
+        model = LlamaForCausalLM(LlamaConfig(**shape, tie_word_embeddings=False))
+    model.set_attn_implementation(impl)
+    return model.train()
+
+
+def _docs(seed=1):
+    g = torch.Generator().manual_seed(seed)
+    return [torch.randint(0, 211, (n,), generator=g) for n in LENGTHS]
+
+
+def _loss_sum(logits, labels):
+    return F.cross_entropy(logits[0, :-1].float(), labels[0, 1:], ignore_index=-100, reduction="sum")
+
+
+def _grads(model):
+    return {n: p.grad.detach().clone() for n, p in model.named_parameters() if p.grad is not None}
+
+
+def _reference(kind, docs):
+    model = _model(kind, "sdpa")
+    total = sum(_loss_sum(model(input_ids=d[None]).logits, d[None]) for d in docs)
+    total.backward()
+    return total.detach(), _grads(model)
+
+
+def _assert_close(got, want):
+    loss, grads = got
+    ref_loss, ref_grads = want
+    assert abs(loss.item() - ref_loss.item()) <= TOL * abs(ref_loss.item())
+    assert grads.keys() == ref_grads.keys()
+    for name, g in grads.items():
+        scale = ref_grads[name].abs().max().item()
+        assert (g - ref_grads[name]).abs().max().item() <= TOL * scale + 1e-12, name
+
+
+@pytest.mark.parametrize("kind", ["qwen2", "llama"])
+@pytest.mark.parametrize("boundaries", ["cu_seq_lens", "position_ids"])
+def test_packed_row_equals_documents_alone(kind, boundaries):
+    docs = _docs()
+    row = PackedCollator(return_flash_attn_kwargs=boundaries == "cu_seq_lens")([{"input_ids": d} for d in docs])
+    model = _model(kind, attention.ATTENTION_NAME)
+    labels = row.pop("labels")
+    loss = _loss_sum(model(**row).logits, labels)
+    loss.backward()
+    _assert_close((loss.detach(), _grads(model)), _reference(kind, docs))
+
+
+def test_without_document_boundaries_the_row_mixes_documents():
+    """The check above can fail: the same row as one document (no boundaries) gives another loss."""
+    docs = _docs()
+    row = torch.cat(docs)[None]
+    model = _model("qwen2", attention.ATTENTION_NAME)
+    mixed = _loss_sum(model(input_ids=row).logits, PackedCollator()([{"input_ids": d} for d in docs])["labels"])
+    assert abs(mixed.item() - _reference("qwen2", docs)[0].item()) > 1e-3
+
+
+def test_batches_of_unpacked_rows_and_the_collators_of_transformers_and_trl():
+    """Rows of a [B, T] batch are documents of their own; DataCollatorWithFlattening's and TRL's padding-free batches
+    go in unchanged."""
+    from transformers import DataCollatorWithFlattening
+    docs = _docs()
+    model = _model("llama", attention.ATTENTION_NAME).eval()
+    sdpa = _model("llama", "sdpa").eval()
+    batch = torch.stack([docs[0], docs[0].flip(0)])
+    with torch.no_grad():
+        assert torch.allclose(model(input_ids=batch).logits, sdpa(input_ids=batch).logits, atol=1e-5)
+        want = torch.cat([sdpa(input_ids=d[None]).logits[0] for d in docs])
+        hf = DataCollatorWithFlattening(return_flash_attn_kwargs=True)([{"input_ids": d.tolist()} for d in docs])
+        assert hf["cu_seq_lens_q"].tolist()[-1] == sum(LENGTHS)
+        hf.pop("labels")
+        assert torch.allclose(model(**hf).logits[0], want, atol=1e-5)
+        trl = pytest.importorskip("trl.trainer.sft_trainer")
+        padding_free = trl.DataCollatorForLanguageModeling(pad_token_id=0, padding_free=True)
+        tb = padding_free([{"input_ids": d.tolist()} for d in docs])
+        assert "cu_seq_lens_q" in tb
+        assert torch.allclose(model(input_ids=tb["input_ids"], position_ids=tb["position_ids"],
+                                    cu_seq_lens_q=tb["cu_seq_lens_q"], cu_seq_lens_k=tb["cu_seq_lens_k"],
+                                    max_length_q=tb["max_length_q"], max_length_k=tb["max_length_k"]).logits[0],
+                              want, atol=1e-5)
+
+
+def test_padding_and_unsupported_options_are_refused_with_the_fix():
+    model = _model("qwen2", attention.ATTENTION_NAME)
+    ids = torch.randint(0, 211, (2, 6))
+    mask = torch.ones_like(ids)
+    mask[1, 4:] = 0
+    with pytest.raises(ValueError, match="padding-free rows"):
+        model(input_ids=ids, attention_mask=mask)
+    q = torch.zeros(1, 4, 3, 8)
+    with pytest.raises(ValueError, match="sliding windows"):
+        attention.varlen_attention_forward(torch.nn.Module(), q, q, q, None, sliding_window=2)
+    with pytest.raises(ValueError, match="needs torch.nn.attention.varlen"):
+        attention.set_kernel("varlen")
+        try:
+            attention.kernel_for(q)
+        finally:
+            attention.set_kernel("auto")
+    with pytest.raises(ValueError, match="choose one of"):
+        attention.set_kernel("fast")
+    assert attention.kernel_for(q) == "sdpa"  # CPU, fp32
+
+
+def test_boundaries_from_position_ids_are_computed_once_per_tensor():
+    pos = torch.tensor([[0, 1, 2, 0, 0, 1], [5, 6, 7, 8, 0, 1]])
+    first = attention.boundaries_from_position_ids(pos)
+    assert first.cu_seqlens.tolist() == [0, 3, 4, 6, 10, 12] and first.lengths == (3, 1, 2, 4, 2)
+    assert attention.boundaries_from_position_ids(pos) is first  # every layer reuses it
+    pos[0, 3] = 3  # changed in place: recomputed
+    assert attention.boundaries_from_position_ids(pos).lengths == (4, 2, 4, 2)

@@ -1,0 +1,75 @@
+"""The chunked causal-LM loss equals transformers' own loss (value and gradients) without building the full logits."""
+
+import pytest
+import torch
+
+from ds_odc.attention import ATTENTION_NAME
+from ds_odc.balancer.collate import PackedCollator
+from ds_odc.loss import chunked_causal_lm_loss, count_loss_tokens, use_chunked_loss
+
+TOL = 2e-6
+
+
+def _model(tied=True):
+    from transformers import Qwen2Config, Qwen2ForCausalLM
+    torch.manual_seed(0)
+    model = Qwen2ForCausalLM(Qwen2Config(hidden_size=32, intermediate_size=64, num_hidden_layers=2,
+                                         num_attention_heads=4, num_key_value_heads=2, vocab_size=157,
+                                         tie_word_embeddings=tied, use_cache=False))
+    model.set_attn_implementation(ATTENTION_NAME)
+    return model.train()
+
+
+def _row():
+    g = torch.Generator().manual_seed(3)
+    return PackedCollator()([{"input_ids": torch.randint(0, 157, (n,), generator=g)} for n in (9, 1, 14, 6)])
+
+
+def _loss_and_grads(model, row, **kwargs):
+    out = model(**row, **kwargs)
+    out.loss.backward()
+    grads = {n: p.grad.clone() for n, p in model.named_parameters()}
+    model.zero_grad(set_to_none=True)
+    return out, grads
+
+
+def _assert_same(a, b):
+    (out_a, grads_a), (out_b, grads_b) = a, b
+    assert abs(out_a.loss.item() - out_b.loss.item()) <= TOL * abs(out_b.loss.item())
+    for name, g in grads_a.items():
+        assert (g - grads_b[name]).abs().max().item() <= TOL * grads_b[name].abs().max().item() + 1e-12, name
+
+
+@pytest.mark.parametrize("chunk_tokens", [1000, 7, 1])  # one chunk, uneven chunks, one position per chunk
+@pytest.mark.parametrize("tied", [True, False])
+def test_chunked_model_loss_equals_the_plain_loss(chunk_tokens, tied):
+    row = _row()
+    plain = _loss_and_grads(_model(tied), row)
+    chunked_model = use_chunked_loss(_model(tied), chunk_tokens=chunk_tokens)
+    chunked = _loss_and_grads(chunked_model, row)
+    assert chunked[0].logits is None
+    _assert_same(chunked, plain)
+    n = count_loss_tokens(row)  # as a trainer passes it: the loss is then the sum over n
+    _assert_same(_loss_and_grads(chunked_model, row, num_items_in_batch=torch.tensor(n / 2)),
+                 _loss_and_grads(_model(tied), row, num_items_in_batch=torch.tensor(n / 2)))
+
+
+def test_shift_labels_eval_mode_and_refusals():
+    row = _row()
+    model = use_chunked_loss(_model(), chunk_tokens=5)
+    hidden = torch.randn(1, 30, 32)
+    labels = torch.randint(0, 157, (1, 30))
+    shifted = torch.nn.functional.pad(labels, (0, 1), value=-100)[..., 1:]
+    head = model.get_output_embeddings()
+    assert torch.allclose(chunked_causal_lm_loss(hidden, head, labels),
+                          chunked_causal_lm_loss(hidden, head, shift_labels=shifted, chunk_tokens=30))
+    model.eval()
+    with torch.no_grad():
+        out = model(**row)
+    assert out.logits.shape == (1, row["input_ids"].shape[1], 157) and out.loss is not None  # eval: HF's own forward
+    with pytest.raises(ValueError, match="already replaced"):
+        use_chunked_loss(model)
+    with pytest.raises(ValueError, match="not a causal LM"):
+        use_chunked_loss(torch.nn.Linear(2, 2))
+    with pytest.raises(ValueError, match="labels or shift_labels"):
+        chunked_causal_lm_loss(hidden, head)
