@@ -237,7 +237,7 @@ def simulate(
         summary[p] = {
             "sync": SYNC_MODE[p],
             "plan_cost": plan_cost,
-            "bubble_rate": 1.0 - busy / (ranks * wall) if wall > 0 else 0.0,
+            "bubble_rate": max(0.0, 1.0 - busy / (ranks * wall)) if wall > 0 else 0.0,  # >= 0 but for rounding
             "step_time": wall / steps,
             "busy_time_per_rank": busy / (ranks * steps),
             "speedup_vs_local_sort": base / wall if base and wall > 0 else None,
@@ -246,7 +246,7 @@ def simulate(
             "microbatches_per_rank_min": int(all_mbs.min()),
             "truncated_samples": sum(r.truncated for r in runs[p]),
             "balance_bound_step_time": bound_time / steps,
-            "balance_bound_bubble_rate": 1.0 - least_busy / (ranks * bound_time) if bound_time > 0 else 0.0,
+            "balance_bound_bubble_rate": max(0.0, 1.0 - least_busy / (ranks * bound_time)) if bound_time > 0 else 0.0,
             "steps_with_dominant_sample": dominant,
         }
         if plan_cost == "auto":

@@ -8,7 +8,8 @@ import pytest
 import torch
 
 import ds_odc.balancer as B
-from ds_odc.balancer.collate import PackedCollator, count_label_tokens
+from ds_odc.balancer.collate import PackedCollator
+from ds_odc.loss import count_loss_tokens
 from ds_odc.balancer.presets import get_preset
 
 SOURCE = pathlib.Path(B.__file__).parent
@@ -60,7 +61,7 @@ def test_every_rank_derives_the_true_number_of_loss_terms(planner, max_tokens, o
         for b in batches:
             for mb in b.microbatches:
                 rows = [{"input_ids": torch.arange(min(lengths[i], max_tokens or lengths[i]))} for i in mb]
-                counted += count_label_tokens(collate(rows))
+                counted += count_loss_tokens(collate(rows))
         assert {b.num_label_tokens for b in batches} == {counted}
     plan = B.plan_minibatch([3, 1, 2], 2, planner=planner, max_tokens=max_tokens)
     with pytest.raises(dataclasses.FrozenInstanceError):
