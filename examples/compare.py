@@ -116,8 +116,8 @@ def report(runs: dict, args) -> float:
     for label in labels:
         cost = next((st["cost"] for st in reversed(runs[label]["steps"]) if st.get("cost")), None)
         if cost and cost["fitted"]:
-            print(f"{label:<20} a {cost['a']:.3g} s/token  b {cost['b']:.3g} s/token^2  c {cost['c']:.3g} s/microbatch"
-                  f"  d {cost['d']:.3g} s/step")
+            c = f"c {cost['c']:.3g} s/microbatch" if cost["c_measured"] else "c not measured (equal counts)"
+            print(f"{label:<20} a {cost['a']:.3g} s/token  b {cost['b']:.3g} s/token^2  {c}  d {cost['d']:.3g} s/step")
         elif cost:
             print(f"{label:<20} still the prior (too few steps to fit)")
     reference = [s["loss"] for s in runs[labels[0]]["steps"]]

@@ -167,8 +167,9 @@ def train(args) -> dict | None:
                   f"bubble {summary['bubble_rate']:.1%}  time {total_time:.2f}s", flush=True)
             fitted = next((r.cost for r in reversed(records) if r.cost and r.cost["fitted"]), None)
             if fitted:
+                per_mb = "" if fitted["c_measured"] else " (not measured: every rank ran the same count)"
                 print(f"automatic cost: {fitted['a']:.3g} s/token + {fitted['b']:.3g} s/token^2 + {fitted['c']:.3g} s "
-                      f"per microbatch (+ {fitted['d']:.3g} s per step); last step predicted "
+                      f"per microbatch{per_mb} + {fitted['d']:.3g} s per step; last step predicted "
                       f"{fitted['predicted_step_s'] or float('nan'):.3f} s busy, measured "
                       f"{fitted['measured_step_s']:.3f} s", flush=True)
         if args.timeline:

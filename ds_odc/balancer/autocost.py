@@ -56,6 +56,8 @@ class CostUpdate:
     ``predicted_step_s``: the slowest rank's busy time that the fit *before* this step predicted for it (``None``
     while the prior, in FLOPs, was all there was); ``measured_step_s``: the slowest rank's measured busy time.
     ``a, b, c, d``: the coefficients now (seconds; ``fitted`` False: still the prior, in its own units).
+    ``c_measured``: whether the fitted steps ran different microbatch counts (otherwise ``c`` is held from an earlier
+    fit, or 0, and only ``c * count + d`` is measured).
     """
 
     step: int
@@ -69,6 +71,7 @@ class CostUpdate:
     rms_s: float | None
     steps_used: int
     outlier_steps: int
+    c_measured: bool = False
 
     def as_dict(self) -> dict:
         return asdict(self)
@@ -147,6 +150,7 @@ class AutoCost:
             self._steps.append(stats)
         rms = None
         outliers = 0
+        varied = False
         if len(self._steps) >= self.min_steps and sum(s.n for s in self._steps) >= 8:  # 2 rows per coefficient
             coef, inliers = self._fit()
             if coef[0] + coef[1] + coef[2] > 0.0:  # an all-zero fit would make every plan arbitrary
@@ -154,13 +158,16 @@ class AutoCost:
                 outliers = len(self._steps) - len(inliers)
                 total = Stats.total(inliers)
                 rms = math.sqrt(residual_ss(total, coef) / max(total.n, 1))
+                # n * sum(M^2) - sum(M)^2 > 0: the counts differ somewhere (exact: integers in floats)
+                varied = total.n * total.G[10] - total.G[11] * total.G[11] > 0.5
         self._history[self.observed] = None if self._coef is None else self._coef[:3]
         for n in [n for n in self._history if n < self.observed - self.lag]:
             del self._history[n]
         a, b, c, d = self._coef if self._coef is not None else (*self.prior.coefficients(), 0.0)
         self.last_update = CostUpdate(step=step, a=a, b=b, c=c, d=d, fitted=self._coef is not None,
                                       predicted_step_s=predicted, measured_step_s=float(measured), rms_s=rms,
-                                      steps_used=len(self._steps) - outliers, outlier_steps=outliers)
+                                      steps_used=len(self._steps) - outliers, outlier_steps=outliers,
+                                      c_measured=varied)
         return self.last_update
 
     def _fit(self) -> tuple[tuple[float, float, float, float], list[Stats]]:

@@ -174,3 +174,13 @@ def test_lag_uses_older_fits():
     assert lagged.cost_for(10) == lagged.auto.model_for(10) != lagged.auto.model  # the fit after 8 observations
     with pytest.raises(ValueError, match="settings"):
         _auto_sampler(cost_lag=0).load_state_dict(lagged.state_dict())
+
+
+def test_c_is_reported_as_measured_only_when_counts_differ():
+    rng = np.random.default_rng(12)
+    equal, mixed = AutoCost(PRIOR), AutoCost(PRIOR)
+    for _ in range(6):
+        T, S, M, busy = map(list, zip(*(rank_step(rng) for _ in range(4))))
+        mixed_update = mixed.observe(T, S, M, busy)
+        equal_update = equal.observe(T, S, [3] * 4, busy)
+    assert mixed_update.c_measured and not equal_update.c_measured
