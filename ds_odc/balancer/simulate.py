@@ -51,6 +51,7 @@ __all__ = ["SYNC_MODE", "PLAN_COSTS", "StepResult", "Machine", "simulate_step", 
 SYNC_MODE = {"local-sort": "collective", "lb-micro": "collective", "lb-mini": "odc"}
 PLAN_COSTS = ("auto", "given", "oracle")
 CONVERGED = 0.02  # auto plans count as converged once their step times stay within 2% of the oracle's (or below)
+CONVERGED_WINDOW = 5
 
 
 @dataclass(frozen=True)
@@ -259,17 +260,21 @@ def simulate(
 def _convergence(auto: list[StepResult], oracle: list[StepResult], fit: AutoCost, machine: Machine) -> dict:
     """How the auto plans compare with the oracle's on the same minibatches."""
     ratios = [a.step_time / o.step_time if o.step_time > 0 else 1.0 for a, o in zip(auto, oracle)]
-    off = [i for i, r in enumerate(ratios) if r > 1.0 + CONVERGED]  # slower than the oracle (never mind faster)
-    if not off:
-        converged: int | None = 0
-    else:  # the step after the last one over 2% slower; None if the last step still is
-        converged = off[-1] + 1 if off[-1] + 1 < len(ratios) else None
+    # Converged: the first step from which the step times are within 2% of the oracle's on average, both over the
+    # next CONVERGED_WINDOW steps and over the rest of the run (single steps jitter either way: a heuristic planner
+    # meets near-ties, and a noisy fit tips them).
+    def mean(xs):
+        return sum(xs) / len(xs)
+    converged = next((i for i in range(len(ratios)) if mean(ratios[i:i + CONVERGED_WINDOW]) <= 1.0 + CONVERGED
+                      and mean(ratios[i:]) <= 1.0 + CONVERGED), None)
     wall = sum(o.step_time for o in oracle)
     a, b, c = fit.model.coefficients()
     return {
         "oracle_step_time": wall / len(oracle),
         "vs_oracle_per_step": ratios,
         "converged_step": converged,
+        "vs_oracle_after_convergence": (sum(ratios[converged:]) / len(ratios[converged:])
+                                        if converged is not None else None),
         "fitted": {"a": a, "b": b, "c": c},
         "truth": dict(zip("abc", machine.truth.coefficients())),
     }
