@@ -37,22 +37,29 @@ def test_stock_and_odc_modes_give_the_same_loss_curve(tmp_path):
         assert run["steps"][-1]["cost"]["fitted"], label  # the automatic cost left its prior
 
 
-def test_sft_checks_the_data_up_front_and_counts_what_it_truncates(tmp_path):
-    """1 CPU rank: samples over --max-tokens are truncated and counted in the metrics JSON; with the default
-    --oversize error the run stops before training, naming the dataset index."""
+def test_sft_checks_the_data_up_front_and_fits_the_cost_on_one_rank(tmp_path):
+    """1 CPU rank, the GPU fit check in miniature: samples over --max-tokens are truncated and counted in the metrics
+    JSON; packed microbatches (their count varies per step) let the automatic cost fit a, b, c, d, and the fit tool
+    prints its own fit of the run next to it. With the default --oversize error the run stops before training,
+    naming the dataset index."""
     base = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=1",
             str(ROOT / "examples" / "sft.py"), "--deepspeed", str(ROOT / "ds_configs" / "zero3_odc_fp32_cpu.json"),
-            "--length-scale", "0.004", "--max-tokens", "40", "--steps", "2", "--num-samples", "64"]
+            "--length-scale", "0.004", "--max-tokens", "40", "--minibatch-size", "6", "--num-samples", "96"]
     metrics = tmp_path / "m.json"
-    ok = subprocess.run(base + ["--oversize", "truncate", "--metrics-json", str(metrics)], env=cpu_env(),
-                        capture_output=True, text=True, timeout=180)
+    ok = subprocess.run(base + ["--oversize", "truncate", "--steps", "12", "--metrics-json", str(metrics)],
+                        env=cpu_env(), capture_output=True, text=True, timeout=180)
     assert ok.returncode == 0, ok.stdout[-2000:] + ok.stderr[-2000:]
-    data = json.loads(metrics.read_text())["data"]
-    assert data["oversize"] == "truncate" and data["truncated_samples"] > 0 and data["first_truncated"]
-    assert "samples truncated to max_tokens=40" in ok.stdout
-    bad = subprocess.run(base, env=cpu_env(), capture_output=True, text=True, timeout=180)
+    run = json.loads(metrics.read_text())
+    assert run["data"]["oversize"] == "truncate" and run["data"]["truncated_samples"] > 0
+    assert "samples truncated to max_tokens=40" in ok.stdout and "automatic cost:" in ok.stdout
+    assert len({step["per_rank"][0]["microbatches"] for step in run["steps"]}) > 1
+    assert run["steps"][-1]["cost"]["fitted"] and run["steps"][-1]["cost"]["c_measured"]
+    fit = subprocess.run([sys.executable, "-m", "ds_odc.balancer.fit", str(metrics)], env=cpu_env(),
+                         capture_output=True, text=True, timeout=120)
+    assert fit.returncode == 0 and "automatic" in fit.stdout and "--cost-coeffs" in fit.stdout, fit.stdout + fit.stderr
+    bad = subprocess.run(base + ["--steps", "1"], env=cpu_env(), capture_output=True, text=True, timeout=180)
     assert bad.returncode != 0
-    assert f"dataset index {data['first_truncated'][0]}" in bad.stdout + bad.stderr
+    assert f"dataset index {run['data']['first_truncated'][0]}" in bad.stdout + bad.stderr
 
 
 def test_lb_mini_without_odc_is_refused():
