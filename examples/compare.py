@@ -37,9 +37,9 @@ def parse_args(argv=None):
     p.add_argument("--steps", type=int, default=20)
     p.add_argument("--warmup-steps", type=int, default=6,
                    help="leading steps left out of samples/s and bubble (the automatic cost learns in them)")
-    p.add_argument("--minibatch-size", type=int, default=3, help="samples per rank per optimizer step")
+    p.add_argument("--minibatch-size", type=int, default=2, help="samples per rank per optimizer step")
     p.add_argument("--preset", default="baselines-longtail")
-    p.add_argument("--length-scale", type=float, default=0.03, help="scale preset lengths down for a CPU run")
+    p.add_argument("--length-scale", type=float, default=0.06, help="scale preset lengths down for a CPU run")
     p.add_argument("--max-tokens", type=int, default=None,
                    help="token budget per microbatch (default: one sample per microbatch, where lb-mini gives ranks "
                         "different microbatch counts)")
