@@ -171,6 +171,7 @@ class BalancedBatchSampler:
         self._pool = np.flatnonzero(keep)
         self._epoch = 0
         self._step = 0  # next minibatch to yield in the current epoch
+        self._warned_unobserved = False
         if len(self) == 0:
             left = f" after skipping {self.data_report.skipped.size} oversize samples" if self.data_report.skipped.size else ""
             raise DataError(f"the dataset has {self._pool.size} samples{left}, fewer than one global minibatch of "
@@ -202,7 +203,13 @@ class BalancedBatchSampler:
         if self.auto is None:
             return self.cost
         e = self._epoch if epoch is None else int(epoch)
-        return self.auto.model_for(e * len(self) + int(step))
+        g = e * len(self) + int(step)
+        if g - self.auto.lag > self.auto.observed + 1 and not self._warned_unobserved:
+            self._warned_unobserved = True
+            logger.warning(f"ds_odc balancer: cost='auto' plans minibatch {g} but has observed {self.auto.observed} "
+                           "steps: call sampler.observe(gather_step(...)) after every optimizer step (or pass a fixed "
+                           "cost, e.g. cost='tokens'); until then it plans with its prior")
+        return self.auto.model_for(g)
 
     def minibatch(self, step: int, epoch: int | None = None) -> RankBatch:
         """The :class:`RankBatch` of minibatch ``step`` (random access; does not move the iterator)."""

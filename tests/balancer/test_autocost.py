@@ -184,3 +184,10 @@ def test_c_is_reported_as_measured_only_when_counts_differ():
         mixed_update = mixed.observe(T, S, M, busy)
         equal_update = equal.observe(T, S, [3] * 4, busy)
     assert mixed_update.c_measured and not equal_update.c_measured
+
+
+def test_a_sampler_that_is_never_observed_says_so(caplog):
+    sampler = _auto_sampler()
+    with caplog.at_level("WARNING", logger="ds_odc.balancer"):
+        plans = [b.microbatches for _, b in zip(range(4), sampler)]
+    assert len(plans) == 4 and "call sampler.observe" in caplog.text
