@@ -12,7 +12,6 @@
 
 extern "C" {
 const char* odc_last_error();
-int64_t odc_p2p_elems_per_block();
 int64_t odc_rma_chunk_elems();
 int odc_init_status();
 int odc_attach();
@@ -45,7 +44,6 @@ void check(int status) {
 
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.doc() = "ds_odc one-sided transport kernels over NVSHMEM 3.4";
-  m.def("p2p_elems_per_block", &odc_p2p_elems_per_block);
   m.def("rma_chunk_elems", &odc_rma_chunk_elems);
   m.def("init_status", &odc_init_status);
   m.def("attach", [] { check(odc_attach()); });

@@ -162,7 +162,6 @@ int set_error(cudaError_t err, const char* where) {
 extern "C" {
 
 const char* odc_last_error() { return g_error; }
-int64_t odc_p2p_elems_per_block() { return kP2PElemsPerBlock; }
 int64_t odc_rma_chunk_elems() { return kRmaChunkElems; }
 
 // -- runtime ------------------------------------------------------------------------------------------------------

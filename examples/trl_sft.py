@@ -3,6 +3,7 @@
 CPU (tiny random model, a character tokenizer built in code, synthetic prompt/completion text; nothing downloaded):
     torchrun --standalone --nproc_per_node 2 examples/trl_sft.py
     torchrun --standalone --nproc_per_node 2 examples/trl_sft.py --no-odc    # stock SFTTrainer + ZeRO-3
+    accelerate launch --config_file ds_configs/accelerate_zero3_odc_cpu.yaml examples/trl_sft.py
 
 One TRL-specific shim: SFTTrainer.compute_loss all-gathers its token-accuracy / entropy / token-count metrics on
 every microbatch. Those collectives would deadlock as soon as ranks run different numbers of microbatches, so during
@@ -14,12 +15,14 @@ global completion-token count. Needs ``pip install trl`` (tested with trl 1.16).
 from __future__ import annotations
 
 import argparse
+import os
 import random
 
 import torch
 
 import ds_odc  # noqa: F401  (teaches DeepSpeed the `odc` key before SFTConfig and the model)
 from ds_odc.distributed import init_distributed, shutdown
+from toy_text import char_tokenizer  # examples/toy_text.py, next to this script
 
 
 def parse_args():
@@ -33,17 +36,6 @@ def parse_args():
     p.add_argument("--output-dir", default="runs/trl_sft")
     p.add_argument("--local_rank", type=int, default=None)
     return p.parse_args()
-
-
-def char_tokenizer():
-    """A character-level tokenizer made in code (no hub access)."""
-    from tokenizers import Tokenizer, models, pre_tokenizers
-    from transformers import PreTrainedTokenizerFast
-    chars = [chr(c) for c in range(32, 127)]
-    vocab = {tok: i for i, tok in enumerate(["<pad>", "<eos>", "<unk>"] + chars)}
-    tok = Tokenizer(models.WordLevel(vocab, unk_token="<unk>"))
-    tok.pre_tokenizer = pre_tokenizers.Split("", "isolated")
-    return PreTrainedTokenizerFast(tokenizer_object=tok, pad_token="<pad>", eos_token="<eos>", unk_token="<unk>")
 
 
 def synthetic_pairs(n: int, seed: int = 0):
@@ -90,20 +82,25 @@ def main():
                                          num_attention_heads=4, num_key_value_heads=4, vocab_size=len(tokenizer),
                                          max_position_embeddings=512, tie_word_embeddings=False, use_cache=False,
                                          pad_token_id=tokenizer.pad_token_id, eos_token_id=tokenizer.eos_token_id))
-    zero = {"stage": 3, "overlap_comm": False, "stage3_gather_16bit_weights_on_model_save": True}
-    if args.odc:
-        zero["odc"] = True
+    # accelerate launch: the config file's deepspeed_config_file decides (ODC or not); torchrun: --odc / --no-odc.
+    accelerate_config = os.environ.get("ACCELERATE_USE_DEEPSPEED", "false").lower() == "true"
+    deepspeed_config = None
+    if not accelerate_config:
+        zero = {"stage": 3, "overlap_comm": False, "stage3_gather_16bit_weights_on_model_save": True}
+        if args.odc:
+            zero["odc"] = True
+        deepspeed_config = {"train_micro_batch_size_per_gpu": "auto", "gradient_accumulation_steps": "auto",
+                            "train_batch_size": "auto", "gradient_clipping": "auto", "zero_optimization": zero,
+                            "zero_allow_untested_optimizer": True, "steps_per_print": 10**9}
     config = SFTConfig(
         output_dir=args.output_dir, per_device_train_batch_size=args.per_device_batch,
         gradient_accumulation_steps=args.grad_accum, max_steps=args.max_steps, learning_rate=3e-4,
         logging_steps=1, save_strategy="no", report_to=[], use_cpu=not torch.cuda.is_available(),
         optim="adamw_torch", seed=0, disable_tqdm=True, max_length=None, padding_free=True,
-        deepspeed={"train_micro_batch_size_per_gpu": "auto", "gradient_accumulation_steps": "auto",
-                   "train_batch_size": "auto", "gradient_clipping": "auto", "zero_optimization": zero,
-                   "zero_allow_untested_optimizer": True, "steps_per_print": 10**9},
+        deepspeed=deepspeed_config,
     )
     data = synthetic_pairs(args.num_samples)
-    if args.odc:
+    if args.odc or accelerate_config:  # OdcSFTTrainer defers to SFTTrainer when the config has no odc
         trainer = make_trainer_class()(model, config, train_dataset=data, processing_class=tokenizer,
                                        max_tokens_per_microbatch=args.max_tokens, microbatch_collator="trainer",
                                        packed_attention=True)

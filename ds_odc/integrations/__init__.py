@@ -1,17 +1,21 @@
 """Trainer integrations of ds_odc.
 
-``from ds_odc.integrations.transformers import OdcTrainer`` (or ``from ds_odc.integrations import OdcTrainer``): the
-Hugging Face ``Trainer`` with ODC + LB-Mini. See docs/HF_TRAINER.md. Imported lazily so ``import ds_odc`` never
-pulls in transformers.
+``from ds_odc.integrations import OdcTrainer`` (the Hugging Face ``Trainer`` with ODC + LB-Mini, docs/HF_TRAINER.md),
+``OdcGRPOTrainer`` (TRL's ``GRPOTrainer`` with lockstep-free generation and LB-Mini over rollouts, docs/RL.md) and
+``lockstep_free`` (generation under ZeRO-3 + ODC without collectives). Imported lazily so ``import ds_odc`` never
+pulls in transformers or TRL.
 """
 
 from __future__ import annotations
 
-__all__ = ["OdcTrainer"]
+__all__ = ["OdcTrainer", "OdcGRPOTrainer", "lockstep_free"]
+
+_WHERE = {"OdcTrainer": "ds_odc.integrations.transformers", "OdcGRPOTrainer": "ds_odc.integrations.trl_grpo",
+          "lockstep_free": "ds_odc.integrations.generation"}
 
 
 def __getattr__(name: str):
-    if name == "OdcTrainer":
-        from ds_odc.integrations.transformers import OdcTrainer
-        return OdcTrainer
+    if name in _WHERE:
+        import importlib
+        return getattr(importlib.import_module(_WHERE[name]), name)
     raise AttributeError(name)

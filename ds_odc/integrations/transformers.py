@@ -44,18 +44,24 @@ ds_odc.patch()  # the `odc` key must parse before TrainingArguments / zero.Init 
 
 logger = logging.get_logger(__name__)
 
-__all__ = ["OdcTrainer", "odc_enabled", "BALANCER_STATE_NAME"]
+__all__ = ["OdcTrainer", "odc_enabled", "deepspeed_config_of", "BALANCER_STATE_NAME"]
 
 BALANCER_STATE_NAME = "ds_odc_balancer.json"
 
 
+def deepspeed_config_of(args) -> dict | None:
+    """The DeepSpeed config dict of ``TrainingArguments``: passed as ``deepspeed=...``, or the
+    ``deepspeed_config_file`` of an ``accelerate launch`` config (Accelerate's DeepSpeed plugin holds it)."""
+    config = getattr(getattr(args, "hf_deepspeed_config", None), "config", None)
+    if not isinstance(config, dict):
+        config = getattr(getattr(args, "deepspeed_plugin", None), "deepspeed_config", None)
+    return config if isinstance(config, dict) else None
+
+
 def odc_enabled(args) -> bool:
     """Whether ``TrainingArguments`` carry a DeepSpeed config with ``zero_optimization.odc`` on."""
-    hf_ds = getattr(args, "hf_deepspeed_config", None)
-    config = getattr(hf_ds, "config", None)
-    if not isinstance(config, dict):
-        return False
-    return bool(odc_config_from_ds_config(config).enabled)
+    config = deepspeed_config_of(args)
+    return config is not None and bool(odc_config_from_ds_config(config).enabled)
 
 
 class OdcTrainer(Trainer):
@@ -100,7 +106,7 @@ class OdcTrainer(Trainer):
             # The ds_config keeps the caller's accumulation steps (filled in by TrainingArguments); ODC marks every
             # boundary itself, so the count is not used. Accelerate would adopt it anyway, with a "Gradient
             # accumulation steps mismatch" warning against this trainer's 1: give it the value now.
-            ds_steps = args.hf_deepspeed_config.config.get("gradient_accumulation_steps")
+            ds_steps = deepspeed_config_of(args).get("gradient_accumulation_steps")
             if isinstance(ds_steps, int):
                 self.accelerator.gradient_accumulation_steps = ds_steps
         self.odc_balancer = dict(planner=balancer_planner, max_tokens=max_tokens_per_microbatch, cost=balancer_cost,

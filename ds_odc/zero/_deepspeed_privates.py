@@ -43,8 +43,6 @@ def check_deepspeed() -> None:
             (Stage3, "_post_step"),
             (Stage3, "_get_fp32_grad_state_partition"),
             (Stage3, "update_fp32_grad_for_param_vectorized"),
-            (Stage3, "set_full_hp_param"),
-            (Stage3, "set_local_hp_param"),
             (Coordinator, COORDINATOR_GATHER),
             (Coordinator, "reset_step"),
             (DeepSpeedEngine, "_configure_zero_optimizer"),
@@ -161,6 +159,21 @@ def bind_param_methods(param, state) -> None:
 
 
 @contextlib.contextmanager
+def zero3_hooks_detached(offload):
+    """Why: DeepSpeed's module hooks fetch and release each module's parameters around every forward; while a rank
+    keeps every parameter read for a whole ``generate`` call they must be off, and ``DeepSpeedZeRoOffload`` only
+    removes them for good (``destroy``). Re-registering invalidates the coordinator's trace, which the next training
+    forward records again (TRL's ``unwrap_model_for_generation`` does the same)."""
+    for hook in offload.forward_hooks + offload.backward_hooks:
+        hook.remove()
+    offload.forward_hooks, offload.backward_hooks = [], []
+    try:
+        yield
+    finally:
+        offload._register_deepspeed_module(offload.module)
+
+
+@contextlib.contextmanager
 def no_rank_consistency_asserts():
     """Why: the coordinator's ``reset_step`` compares its recorded module trace across ranks with collectives
     (``assert_ints_same_as_other_ranks``); with ODC ranks run different microbatches, so it would deadlock."""
@@ -254,9 +267,11 @@ class Stage3Seams:
     def partition_grads(self, params_to_release, grad_partitions) -> list:
         # Why: stock copies (or adds) the reduce-scattered slice into the local partition; ODC's pushes already went
         # to the owners, so only the full gradients are freed (once the stream that pushes them has read them).
+        from deepspeed.accelerator import get_accelerator
+        stream = get_accelerator().current_stream()  # None where the device has no streams (CPU)
         for param in params_to_release:
-            if param.grad is not None and param.grad.is_cuda:
-                param.grad.record_stream(torch.cuda.current_stream())
+            if param.grad is not None and stream is not None:
+                param.grad.record_stream(stream)
             param.grad = None
         return []
 
@@ -285,16 +300,6 @@ class Stage3Seams:
         # Why: as _get_fp32_grad_state_partition, for the vectorised update (it reads the partitions directly).
         self.odc.settle("updating gradients (safe_update_full_grad_vectorized)")
         return super().update_fp32_grad_for_param_vectorized(update_func, param_list)
-
-    def set_full_hp_param(self, value, param, optim_state_key=None):
-        # Why: with fp32 training the master partition is the shard peers read; publish the write.
-        super().set_full_hp_param(value, param, optim_state_key)
-        self.odc.publish_writes("safe_set_full_fp32_param / safe_set_full_optimizer_state")
-
-    def set_local_hp_param(self, value, param, optim_state_key=None):
-        # Why: as set_full_hp_param, for the local variant.
-        super().set_local_hp_param(value, param, optim_state_key)
-        self.odc.publish_writes("safe_set_local_fp32_param / safe_set_local_optimizer_state")
 
     def set_gradient_accumulation_boundary(self, is_boundary: bool) -> None:
         # Why: a rank with no microbatch declares its boundary only here; it must take part in early gradient reads.

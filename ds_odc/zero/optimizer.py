@@ -12,9 +12,11 @@ Per minibatch, on every rank, with any number of microbatches (0 included):
 
 from __future__ import annotations
 
+import contextlib
 import itertools
 
 import torch
+from deepspeed.runtime.zero.partition_parameters import ZeroParamStatus
 from deepspeed.runtime.zero.stage3 import DeepSpeedZeroOptimizer_Stage3
 from deepspeed.utils import logger
 
@@ -66,6 +68,22 @@ class OdcOptimizer(privates.Stage3Seams, DeepSpeedZeroOptimizer_Stage3):
         # Before the step this drops the minibatch's gradients so far, as stock does: on every rank, together.
         self.odc.discard("optimizer.zero_grad() before the step")
         super().zero_grad(set_to_none)
+
+    @contextlib.contextmanager
+    def odc_resident(self):
+        """Read every parameter once (one-sidedly: no collective, ranks need not enter together) and keep it, with
+        DeepSpeed's per-module fetch and release off, until the block exits; then release what was read. For
+        ``generate`` and evaluation forwards at the unsharded model's speed, at the memory of one full copy."""
+        params = [p for p in self.module.parameters() if hasattr(p, "ds_id")]
+        read = [p for p in params if p.ds_status == ZeroParamStatus.NOT_AVAILABLE]
+        with privates.zero3_hooks_detached(self.parameter_offload):
+            self.odc.fetch_now(read)
+            try:
+                yield self.module
+            finally:
+                for param in read:
+                    param.ds_active_sub_modules.clear()
+                    param.partition()
 
     # -- things ODC does not do ------------------------------------------------------------------------------------
     def offload_states(self, *args, **kwargs):

@@ -139,6 +139,15 @@ def _free_port() -> int:
         return s.getsockname()[1]
 
 
+def expect_error(fn) -> str:
+    """Call ``fn`` and describe the error it raised ("no error" if none): for rank scripts that report refusals."""
+    try:
+        fn()
+    except Exception as err:  # noqa: BLE001 - the point is to report it
+        return f"{type(err).__name__}: {err}"
+    return "no error"
+
+
 def emit(payload: dict) -> None:
     """Print one result line for :func:`launch` to collect (call it on the rank that holds the result)."""
     print(RESULT_PREFIX + json.dumps(payload), flush=True)
