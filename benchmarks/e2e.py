@@ -148,7 +148,8 @@ def main():
     p.add_argument("--out", default="e2e_results")
     p.add_argument("--run-timeout", type=float, default=300)
     p.add_argument("--budget-s", type=float, default=1e9, help="skip the remaining modes after this many seconds")
-    p.add_argument("--cost", default="quadratic", choices=["tokens", "quadratic", "fitted"])
+    p.add_argument("--cost", default="auto", choices=["auto", "tokens", "quadratic", "fitted"],
+                   help="the balancer cost of every mode (default auto: refitted from each run's measured busy times)")
     p.add_argument("--cost-coeffs", help="A,B,C for --cost fitted (e.g. the per-microbatch overhead measured here)")
     p.add_argument("--sdpa-backends", help="passed to every mode (examples/sft.py --sdpa-backends)")
     p.add_argument("--profile", action="store_true",

@@ -71,7 +71,7 @@ def main():
     cost = cost_from_args(args, config)
     sampler = BalancedBatchSampler(lengths.tolist(), world_size=world, rank=rank, minibatch_size=args.minibatch_size,
                                    max_tokens=args.max_tokens, planner=args.balancer, seed=args.seed,
-                                   shuffle=not args.no_shuffle, cost=cost)
+                                   shuffle=not args.no_shuffle, cost=cost, model_config=config)
     collate = PackedCollator()
     clock, records, profile = StepClock(), [], None
     for step, batch in zip(range(min(args.steps, len(sampler))), sampler):
@@ -79,15 +79,13 @@ def main():
         profiling = (profile_step(args.profile_dir, rank, decoder_layers(model))
                      if step == args.profile_step else contextlib.nullcontext())
         clock.start()
-        loss_share, tokens, sq_tokens = 0.0, 0, 0
+        loss_share = 0.0
         with profiling as profiled:
             for mb in batch.microbatches:
                 samples = [{"input_ids": token_ids[j] if token_ids else sample_tokens(j, int(lengths[j]),
                                                                                          config.vocab_size, args.seed)}
                            for j in mb]
                 row = on_device(collate(samples), device)
-                tokens += row["input_ids"].numel()
-                sq_tokens += sum(len(s["input_ids"]) ** 2 for s in samples)
                 loss = model(**row, num_items_in_batch=1 / weight).loss
                 loss.backward()  # FSDP2 averages gradients over ranks, as ZeRO does: the W in `weight` cancels it
                 loss_share += loss.item() / world
@@ -96,10 +94,14 @@ def main():
             optimizer.zero_grad(set_to_none=True)
         if profiled is not None:
             profile = profiled
-        clock.compute_done()
         busy, step_time = clock.finish(0.0)
-        records.append(gather_step(loss_share, busy, step_time, len(batch.microbatches), tokens, batch.num_samples,
-                                   sq_tokens=sq_tokens))
+        tokens, sq_tokens = sampler.load(batch.microbatches)
+        record = gather_step(loss_share, busy, step_time, len(batch.microbatches), tokens, batch.num_samples,
+                             sq_tokens=sq_tokens)
+        if step != args.profile_step:
+            update = sampler.observe(record)  # lb-micro plans with the automatic cost, as in sft.py
+            record.cost = update.as_dict() if update else None
+        records.append(record)
     if rank == 0:
         summary = summarize(records, args.warmup_steps, world, untimed=[args.profile_step])
         total = summary["time_s"]

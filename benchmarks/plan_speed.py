@@ -3,6 +3,11 @@
 Run on one core:  taskset -c 0 python benchmarks/plan_speed.py
 Target: < 50 ms per plan for lb-mini and lb-micro.  Prints a table over --repeats minibatches (different seeds):
 median CPU time of this process (robust when other jobs share the core), median wall time and worst CPU time.
+Then the automatic cost's refit per step at the same rank count (target < 1 ms): one ``AutoCost.observe`` of every
+rank's numbers, window full.
+
+--cost: tokens, quadratic (the Qwen2.5-1.5B shape's FLOPs) or fitted (the 1.5B fit on H200: 1.05e-9 s per token^2
+and 0.27 s per microbatch, which makes lb-mini's packing count microbatches).
 """
 
 from __future__ import annotations
@@ -15,8 +20,16 @@ import statistics
 import sys
 import time
 
-from ds_odc.balancer import plan_minibatch
+from ds_odc.balancer import FittedCost, QuadraticCost, plan_minibatch
+from ds_odc.balancer.autocost import AutoCost
 from ds_odc.balancer.presets import get_preset
+
+COSTS = {
+    "tokens": "tokens",
+    "quadratic": QuadraticCost.from_shape(hidden_size=1536, intermediate_size=8960, num_hidden_layers=28,
+                                          num_attention_heads=12, num_key_value_heads=2, vocab_size=151936),
+    "fitted": FittedCost(2e-5, 1.05e-9, 0.27),
+}
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -25,7 +38,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--ranks", type=int, default=512)
     ap.add_argument("--max-tokens", type=int, default=65536)
     ap.add_argument("--preset", default="long-sft")
-    ap.add_argument("--cost", default="tokens")
+    ap.add_argument("--cost", default="tokens", choices=sorted(COSTS))
     ap.add_argument("--repeats", type=int, default=20)
     ap.add_argument("--planners", default="lb-mini,lb-micro,local-sort")
     args = ap.parse_args(argv)
@@ -45,11 +58,12 @@ def main(argv: list[str] | None = None) -> int:
     for name in args.planners.split(","):
         cpu, wall = [], []
         warm = get_preset(args.preset).sample(args.samples, seed=10_000).tolist()
-        plan_minibatch(warm, args.ranks, planner=name, max_tokens=args.max_tokens, cost=args.cost)  # warm-up
+        cost = COSTS[args.cost]
+        plan_minibatch(warm, args.ranks, planner=name, max_tokens=args.max_tokens, cost=cost)  # warm-up
         for rep in range(args.repeats):
             lengths = get_preset(args.preset).sample(args.samples, seed=rep).tolist()
             t0, c0 = time.perf_counter(), time.process_time()
-            plan = plan_minibatch(lengths, args.ranks, planner=name, max_tokens=args.max_tokens, cost=args.cost)
+            plan = plan_minibatch(lengths, args.ranks, planner=name, max_tokens=args.max_tokens, cost=cost)
             cpu.append(time.process_time() - c0)
             wall.append(time.perf_counter() - t0)
         med = statistics.median(cpu) * 1e3
@@ -61,7 +75,26 @@ def main(argv: list[str] | None = None) -> int:
         )
     ok = worst < 50.0
     print("PASS" if ok else "SLOWER THAN TARGET", f"(slowest balanced planner: median CPU {worst:.1f} ms)")
+    fit_ms = auto_cost_refit_ms(args.ranks, args.repeats)
+    print(f"automatic cost, one refit of {args.ranks} ranks' numbers (window of 32 steps): median CPU "
+          f"{statistics.median(fit_ms):.2f} ms, worst {max(fit_ms):.2f} ms  < 1 ms")
     return 0
+
+
+def auto_cost_refit_ms(ranks: int, repeats: int) -> list[float]:
+    import numpy as np
+    rng = np.random.default_rng(0)
+    fit = AutoCost(COSTS["quadratic"])
+    times = []
+    for step in range(32 + repeats):  # fill the window, then time
+        lengths = get_preset("long-sft").sample(ranks * 4, rng).reshape(ranks, 4)
+        tokens, sq, mbs = lengths.sum(1), (lengths.astype(float) ** 2).sum(1), rng.integers(1, 5, ranks)
+        busy = 2e-5 * tokens + 1.05e-9 * sq + 0.27 * mbs + 0.5
+        c0 = time.process_time()
+        fit.observe(tokens, sq, mbs, busy)
+        if step >= 32:
+            times.append((time.process_time() - c0) * 1e3)
+    return times
 
 
 if __name__ == "__main__":

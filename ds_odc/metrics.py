@@ -1,26 +1,56 @@
-"""Per-step throughput and idle-time accounting, the same in every mode (stock ZeRO-3 or ODC).
+"""Per-step throughput and idle-time accounting: one definition for every front end and every mode.
 
-Each rank measures ``busy_s`` (its forward/backward work plus the optimizer update) and the step's wall time; rank
-results are gathered once per step, at the step, where every rank is anyway. The bubble rate is
-``1 - sum(busy) / (R * step_time)``: the share of device time spent waiting at synchronization points.
+**Busy time** of a rank in one optimizer step: the wall time from the step's first microbatch to the end of its
+optimizer update, less the time it spent waiting for other ranks (ODC's fence and barrier, which the ODC optimizer
+times: ``engine.optimizer.odc_wait_s``). **Step time**: the slowest rank's wall time. Rank numbers are gathered once
+per step, at the step, where every rank is anyway (:func:`gather_step`), and
 
-With ODC the only waiting is the fence, which the optimizer times, so busy is exact. Under collectives the waits
-hide inside every layer's all-gather and reduce-scatter and are counted as busy, so for stock ZeRO-3 the reported
-bubble is a lower bound (the simulator's collective model gives the compute-only figure).
+    bubble = 1 - sum_r busy_r / (R * step_time)
+
+is the share of device time spent waiting; over several steps (a summary, a logging window) the sums run over the
+steps too, so the rate is time-weighted. ``examples/sft.py``, the FSDP2 baseline (``benchmarks/fsdp2_sft.py``) and
+``OdcTrainer``'s ``odc/*`` logs all use these functions.
+
+With ODC the only waiting is at the fence, so busy is exact. Under collectives (stock ZeRO-3, FSDP2) the waits hide
+inside every layer's all-gather and reduce-scatter and count as busy, so their bubble is a lower bound (the
+simulator's collective model gives the compute-only figure).
+
+The same per-rank numbers (busy seconds, tokens, sum of squared document lengths, microbatches) are what the
+balancer's automatic cost fits (``BalancedBatchSampler.observe``).
 """
 
 from __future__ import annotations
 
 import time
 from dataclasses import asdict, dataclass, field
-from typing import Iterable
+from typing import Iterable, Sequence
 
 import torch
 
+__all__ = ["RankStep", "StepRecord", "StepClock", "gather_step", "bubble_rate", "summarize", "device_sync",
+           "peak_memory_bytes"]
+
+
+def _accelerator():
+    """The current accelerator (CUDA, XPU, ...) if this process uses one, else None."""
+    acc = getattr(torch, "accelerator", None)
+    if acc is None or not acc.is_available():
+        return None
+    module = getattr(torch, acc.current_accelerator().type, None)
+    is_init = getattr(module, "is_initialized", None)
+    return module if is_init is not None and is_init() else None
+
 
 def device_sync() -> None:
-    if torch.cuda.is_available() and torch.cuda.is_initialized():
-        torch.cuda.synchronize()
+    """Wait for the device's queued work, so host clocks measure it (a no-op on CPU)."""
+    module = _accelerator()
+    if module is not None:
+        module.synchronize()
+
+
+def peak_memory_bytes() -> int:
+    module = _accelerator()
+    return int(module.max_memory_allocated()) if module is not None and hasattr(module, "max_memory_allocated") else 0
 
 
 @dataclass
@@ -29,7 +59,7 @@ class RankStep:
     wait_s: float
     microbatches: int
     tokens: int
-    sq_tokens: int = 0  # sum over this rank's samples of length^2 (attention's share of the cost; for the cost fit)
+    sq_tokens: int = 0  # sum over this rank's documents of length^2 (attention's share of the cost)
 
 
 @dataclass
@@ -40,53 +70,67 @@ class StepRecord:
     bubble_rate: float
     step_time_s: float
     peak_mem_bytes: int
+    num_samples: int = 0
     per_rank: list[RankStep] = field(default_factory=list)
+    cost: dict | None = None  # the automatic cost after this step (BalancedBatchSampler.observe), if any
 
     def as_dict(self) -> dict:
         return asdict(self)
 
 
 class StepClock:
-    """Times one optimizer step on this rank: call ``start()``, then ``compute_done()`` after the last microbatch,
-    then ``finish(...)`` after ``engine.step()``."""
+    """Times one optimizer step on this rank: ``start()`` before the first microbatch, ``finish(wait_s)`` after the
+    optimizer step, with the seconds the step spent waiting for other ranks."""
 
     def start(self) -> None:
         device_sync()
         self.t0 = time.perf_counter()
 
-    def compute_done(self) -> None:
-        device_sync()
-        self.t_compute = time.perf_counter()
-
-    def finish(self, fence_wait_s: float = 0.0) -> tuple[float, float]:
-        """Returns (busy_s, step_time_s) of this rank. ``fence_wait_s``: time the step spent waiting for peers."""
+    def finish(self, wait_s: float = 0.0) -> tuple[float, float]:
+        """Returns (busy_s, step_time_s) of this rank."""
         device_sync()
         step_time = time.perf_counter() - self.t0
-        return step_time - fence_wait_s, step_time
+        return max(step_time - wait_s, 0.0), step_time
 
 
 def gather_step(loss_sum: float, busy_s: float, step_time_s: float, microbatches: int, tokens: int,
                 num_samples: int, group=None, sq_tokens: int = 0) -> StepRecord:
     """Collect every rank's numbers (one small collective) and derive the step's record. ``loss_sum`` is this
-    rank's share of the global mean loss (the shares add up to it)."""
+    rank's share of the global mean loss (the shares add up to it). Every rank gets the same record."""
     import torch.distributed as dist
-    mine = [loss_sum, busy_s, step_time_s, float(microbatches), float(tokens), float(sq_tokens)]
-    world = dist.get_world_size(group)
-    rows = [None] * world
-    dist.all_gather_object(rows, mine, group=group)
+    mine = [float(loss_sum), float(busy_s), float(step_time_s), float(microbatches), float(tokens), float(sq_tokens)]
+    world = dist.get_world_size(group) if dist.is_initialized() else 1
+    rows = [mine] if world == 1 else [None] * world
+    if world > 1:
+        dist.all_gather_object(rows, mine, group=group)
+    return record_from_rows(rows, num_samples)
+
+
+def record_from_rows(rows: Sequence[Sequence[float]], num_samples: int) -> StepRecord:
+    """The step's record from every rank's ``[loss share, busy, step time, microbatches, tokens, sq_tokens]``."""
+    world = len(rows)
     step_time = max(r[2] for r in rows)
     busy = [min(r[1], step_time) for r in rows]
     total_tokens = sum(int(r[4]) for r in rows)
-    peak = torch.cuda.max_memory_allocated() if torch.cuda.is_available() and torch.cuda.is_initialized() else 0
     return StepRecord(
         loss=sum(r[0] for r in rows),
-        samples_per_s=num_samples / step_time,
-        tokens_per_s=total_tokens / step_time,
-        bubble_rate=1.0 - sum(busy) / (world * step_time),
+        samples_per_s=num_samples / step_time if step_time > 0 else 0.0,
+        tokens_per_s=total_tokens / step_time if step_time > 0 else 0.0,
+        bubble_rate=1.0 - sum(busy) / (world * step_time) if step_time > 0 else 0.0,
         step_time_s=step_time,
-        peak_mem_bytes=int(peak),
+        peak_mem_bytes=peak_memory_bytes(),
+        num_samples=int(num_samples),
         per_rank=[RankStep(b, step_time - b, int(r[3]), int(r[4]), int(r[5])) for b, r in zip(busy, rows)],
     )
+
+
+def bubble_rate(records: Sequence[StepRecord]) -> float:
+    """Time-weighted bubble of several steps: ``1 - sum busy / (R * sum step_time)``."""
+    total = sum(r.step_time_s for r in records)
+    if total <= 0:
+        return 0.0
+    world = len(records[0].per_rank)
+    return 1.0 - sum(p.busy_s for r in records for p in r.per_rank) / (world * total)
 
 
 def summarize(records: list[StepRecord], warmup_steps: int, world_size: int, untimed: Iterable[int] = ()) -> dict:
@@ -100,7 +144,7 @@ def summarize(records: list[StepRecord], warmup_steps: int, world_size: int, unt
         "samples_per_s": samples_per_s,
         "samples_per_s_per_device": samples_per_s / world_size,
         "tokens_per_s": sum(r.tokens_per_s * r.step_time_s for r in timed) / total,
-        "bubble_rate": 1.0 - sum(sum(p.busy_s for p in r.per_rank) for r in timed) / (world_size * total),
+        "bubble_rate": bubble_rate(timed),
         "time_s": total,
         "peak_mem_bytes": max(r.peak_mem_bytes for r in records),
         "final_loss": records[-1].loss,

@@ -35,11 +35,13 @@ def sft_argument_parser(description: str | None = None, deepspeed_config: bool =
     p.add_argument("--length-scale", type=float, default=1.0, help="multiply preset lengths (tiny CPU runs)")
     p.add_argument("--equal-lengths", type=int, default=None, help="every sample this long (no-regression runs)")
     p.add_argument("--balancer", default="lb-mini", choices=["local-sort", "lb-micro", "lb-mini"])
-    p.add_argument("--cost", default="tokens", choices=["tokens", "quadratic", "fitted"],
-                   help="balancer cost model; quadratic: a*L + b*L^2 from the model's shape; fitted: --cost-coeffs")
+    p.add_argument("--cost", default="auto", choices=["auto", "tokens", "quadratic", "fitted"],
+                   help="balancer cost model; auto (default): refitted every step from the measured busy times, "
+                        "starting from the model's shape; quadratic: a*L + b*L^2 from the model's shape; fitted: "
+                        "--cost-coeffs")
     p.add_argument("--cost-coeffs", default=None, metavar="A,B,C",
-                   help="fitted cost a*L + b*L^2 + c per sample (c: the fixed cost of a microbatch when each sample "
-                        "is one; see docs/BENCHMARKS.md for measured values)")
+                   help="fitted cost a*L + b*L^2 per sample + c per microbatch (python -m ds_odc.balancer.fit RUN.json "
+                        "prints them for a run)")
     p.add_argument("--minibatch-size", type=int, default=4, help="samples per rank per optimizer step")
     p.add_argument("--max-tokens", type=int, default=None, help="token budget per microbatch (default: 1 sample)")
     p.add_argument("--oversize", default="error", choices=["error", "truncate", "skip"],
@@ -68,6 +70,7 @@ def sft_argument_parser(description: str | None = None, deepspeed_config: bool =
                    help="profile this step (torch profiler): host vs device time, top ops, Chrome trace")
     p.add_argument("--profile-dir", default="profile", help="where --profile-step writes its files")
     p.add_argument("--timeline", help="draw per-rank busy/wait bars of the last steps to this PNG")
+    p.add_argument("--quiet", action="store_true", help="no progress bar and no summary lines")
     p.add_argument("--local_rank", type=int, default=None)  # the deepspeed launcher passes it
     return p
 
@@ -92,7 +95,7 @@ def cost_from_args(args: argparse.Namespace, model_config):
             raise SystemExit("--cost fitted needs --cost-coeffs A,B,C (cost = A*L + B*L^2 + C)")
         a, b, c = (float(x) for x in args.cost_coeffs.split(","))
         return FittedCost(a=a, b=b, c=c)
-    return "tokens"
+    return args.cost  # "auto" (the sampler fits it; pass it the model config) or "tokens"
 
 
 def prepare_model(model: torch.nn.Module, args: argparse.Namespace) -> torch.nn.Module:

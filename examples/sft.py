@@ -58,10 +58,17 @@ def build_model(args, ds_config: dict, device: torch.device):
 def main(argv=None):
     args = parse_args(argv)
     restrict_sdpa_backends(args.sdpa_backends)
+    init_distributed()
+    train(args)
+    shutdown_and_exit()
+
+
+def train(args) -> dict | None:
+    """One run in an initialised process group (several may follow each other, as in examples/compare.py).
+    Returns, on rank 0, the metrics that ``--metrics-json`` writes."""
     import deepspeed
     import torch.distributed as dist
 
-    init_distributed()
     rank, world = dist.get_rank(), dist.get_world_size()
     device = torch.device("cuda", torch.cuda.current_device()) if torch.cuda.is_available() else torch.device("cpu")
 
@@ -86,7 +93,10 @@ def main(argv=None):
     cost = cost_from_args(args, model.config)
     sampler = BalancedBatchSampler(lengths.tolist(), world_size=world, rank=rank, minibatch_size=args.minibatch_size,
                                    max_tokens=args.max_tokens, planner=args.balancer, seed=args.seed,
-                                   shuffle=not args.no_shuffle, cost=cost, oversize=args.oversize)
+                                   shuffle=not args.no_shuffle, cost=cost, oversize=args.oversize,
+                                   model_config=model.config)
+    if rank == 0 and sampler.data_report.message():
+        print(sampler.data_report.message(), flush=True)
     collate = PackedCollator()
 
     def sample_ids(j: int) -> torch.Tensor:
@@ -97,7 +107,8 @@ def main(argv=None):
     progress = None
     if rank == 0:
         from tqdm import tqdm
-        progress = tqdm(total=steps, desc=f"{'odc' if odc_on else 'stock'}+{args.balancer}", dynamic_ncols=True)
+        progress = tqdm(total=steps, desc=f"{'odc' if odc_on else 'stock'}+{args.balancer}", dynamic_ncols=True,
+                        disable=args.quiet)
     clock = StepClock()
     profile = None
     for step, batch in zip(range(steps), sampler):
@@ -105,15 +116,13 @@ def main(argv=None):
         profiling = (profile_step(args.profile_dir, rank, decoder_layers(model))
                      if step == args.profile_step else contextlib.nullcontext())
         clock.start()
-        loss_share, tokens, sq_tokens = 0.0, 0, 0
+        loss_share = 0.0
         k = len(batch.microbatches)
         with profiling as profiled:
             for i, mb in enumerate(batch.microbatches):
                 samples = [{"input_ids": sample_ids(j)[:args.max_tokens] if j in batch.truncated else sample_ids(j)}
                            for j in mb]
                 row = on_device(collate(samples), device)
-                tokens += row["input_ids"].numel()
-                sq_tokens += sum(len(s["input_ids"]) ** 2 for s in samples)
                 engine.set_gradient_accumulation_boundary(i == k - 1)
                 # The loss sum divided by N / W: this microbatch's share of the global mean (ds_odc.loss).
                 loss = engine(**row, num_items_in_batch=1 / weight).loss
@@ -125,9 +134,12 @@ def main(argv=None):
                 engine.step()
         if profiled is not None:
             profile = profiled
-        clock.compute_done()
         busy, step_time = clock.finish(getattr(engine.optimizer, "odc_wait_s", 0.0))
+        tokens, sq_tokens = sampler.load(batch.microbatches)  # as the plan counts them: its documents' squares
         record = gather_step(loss_share, busy, step_time, k, tokens, batch.num_samples, sq_tokens=sq_tokens)
+        if step != args.profile_step:  # the profiler's own overhead is no cost of the plan
+            update = sampler.observe(record)  # the same gathered record on every rank: the same refit
+            record.cost = update.as_dict() if update else None
         records.append(record)
         if progress is not None:
             progress.set_postfix(loss=f"{record.loss:.4f}", samples_s=f"{record.samples_per_s:.2f}",
@@ -136,23 +148,34 @@ def main(argv=None):
     if progress is not None:
         progress.close()
 
+    out = None
     if rank == 0:
         summary = summarize(records, args.warmup_steps, world, untimed=[args.profile_step])
         total_time = summary["time_s"]
         config = {k: v for k, v in vars(args).items() if k != "local_rank"}
         config.update(world_size=world, odc=odc_on, device=str(device), deepspeed_version=deepspeed.__version__)
-        out = {"config": config, "steps": [r.as_dict() for r in records], "summary": summary}
+        out = {"config": config, "data": sampler.data_report.as_dict(), "steps": [r.as_dict() for r in records],
+               "summary": summary}
         if profile:
             out["profile_rank0"] = profile
             print(f"profile of step {args.profile_step} (rank 0): {describe(profile)}; files in "
                   f"{args.profile_dir}/", flush=True)
         if args.metrics_json:
             Path(args.metrics_json).write_text(json.dumps(out, indent=1))
-        print(f"summary: loss {summary['final_loss']:.5f}  samples/s {summary['samples_per_s']:.3f}  "
-              f"bubble {summary['bubble_rate']:.1%}  time {total_time:.2f}s", flush=True)
+        if not args.quiet:
+            print(f"summary: loss {summary['final_loss']:.5f}  samples/s {summary['samples_per_s']:.3f}  "
+                  f"bubble {summary['bubble_rate']:.1%}  time {total_time:.2f}s", flush=True)
+            fitted = next((r.cost for r in reversed(records) if r.cost and r.cost["fitted"]), None)
+            if fitted:
+                per_mb = "" if fitted["c_measured"] else " (not measured: every rank ran the same count)"
+                print(f"automatic cost: {fitted['a']:.3g} s/token + {fitted['b']:.3g} s/token^2 + {fitted['c']:.3g} s "
+                      f"per microbatch{per_mb} + {fitted['d']:.3g} s per step; last step predicted "
+                      f"{fitted['predicted_step_s'] or float('nan'):.3f} s busy, measured "
+                      f"{fitted['measured_step_s']:.3f} s", flush=True)
         if args.timeline:
             draw_timeline(records[-min(len(records), 4):], args.timeline)
-    shutdown_and_exit()
+    engine.destroy()
+    return out
 
 
 def draw_timeline(records, path: str) -> None:

@@ -14,24 +14,52 @@ pytestmark = pytest.mark.slow
 
 
 def test_stock_and_odc_modes_give_the_same_loss_curve(tmp_path):
-    """stock+local-sort, stock+lb-micro, odc+lb-micro, odc+lb-mini: 5 steps, fp32, losses agree to 1e-4 relative
-    (measured 3e-8), and lb-mini really gives the ranks different microbatch counts."""
+    """stock+local-sort, stock+lb-micro, odc+lb-micro, odc+lb-mini in one launch: fp32, losses agree to 1e-4
+    relative (measured 4e-8), every mode fits the automatic cost, and lb-mini really gives the ranks different
+    microbatch counts."""
     out = tmp_path / "runs.json"
     proc = subprocess.run([sys.executable, str(ROOT / "examples" / "compare.py"), "--json", str(out)],
                           env=cpu_env(), capture_output=True, text=True, timeout=600)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     runs = json.loads(out.read_text())
     assert runs["max_rel_loss_diff"] < 1e-4
-    assert "largest relative loss difference" in proc.stdout
+    assert "largest relative loss difference" in proc.stdout and "automatic cost at the end" in proc.stdout
     uneven = [len({r["microbatches"] for r in step["per_rank"]}) > 1 for step in runs["runs"]["odc + lb-mini"]["steps"]]
     assert any(uneven), "lb-mini should give the ranks different microbatch counts in some step"
+    assert len(runs["runs"]) == 4
     for label, run in runs["runs"].items():
-        assert len(run["steps"]) == 5
+        assert len(run["steps"]) == 20
         for step in run["steps"]:
             assert {"loss", "samples_per_s", "tokens_per_s", "bubble_rate", "step_time_s", "peak_mem_bytes",
-                    "per_rank"} <= set(step)
-            assert {"busy_s", "wait_s", "microbatches", "tokens"} <= set(step["per_rank"][0])
+                    "per_rank", "cost"} <= set(step)
+            assert {"busy_s", "wait_s", "microbatches", "tokens", "sq_tokens"} <= set(step["per_rank"][0])
             assert 0.0 <= step["bubble_rate"] < 1.0
+        assert run["steps"][-1]["cost"]["fitted"], label  # the automatic cost left its prior
+
+
+def test_sft_checks_the_data_up_front_and_fits_the_cost_on_one_rank(tmp_path):
+    """1 CPU rank, the GPU fit check in miniature: samples over --max-tokens are truncated and counted in the metrics
+    JSON; packed microbatches (their count varies per step) let the automatic cost fit a, b, c, d, and the fit tool
+    prints its own fit of the run next to it. With the default --oversize error the run stops before training,
+    naming the dataset index."""
+    base = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=1",
+            str(ROOT / "examples" / "sft.py"), "--deepspeed", str(ROOT / "ds_configs" / "zero3_odc_fp32_cpu.json"),
+            "--length-scale", "0.004", "--max-tokens", "40", "--minibatch-size", "6", "--num-samples", "96"]
+    metrics = tmp_path / "m.json"
+    ok = subprocess.run(base + ["--oversize", "truncate", "--steps", "12", "--metrics-json", str(metrics)],
+                        env=cpu_env(), capture_output=True, text=True, timeout=180)
+    assert ok.returncode == 0, ok.stdout[-2000:] + ok.stderr[-2000:]
+    run = json.loads(metrics.read_text())
+    assert run["data"]["oversize"] == "truncate" and run["data"]["truncated_samples"] > 0
+    assert "samples truncated to max_tokens=40" in ok.stdout and "automatic cost:" in ok.stdout
+    assert len({step["per_rank"][0]["microbatches"] for step in run["steps"]}) > 1
+    assert run["steps"][-1]["cost"]["fitted"] and run["steps"][-1]["cost"]["c_measured"]
+    fit = subprocess.run([sys.executable, "-m", "ds_odc.balancer.fit", str(metrics)], env=cpu_env(),
+                         capture_output=True, text=True, timeout=120)
+    assert fit.returncode == 0 and "automatic" in fit.stdout and "--cost-coeffs" in fit.stdout, fit.stdout + fit.stderr
+    bad = subprocess.run(base + ["--steps", "1"], env=cpu_env(), capture_output=True, text=True, timeout=180)
+    assert bad.returncode != 0
+    assert f"dataset index {run['data']['first_truncated'][0]}" in bad.stdout + bad.stderr
 
 
 def test_lb_mini_without_odc_is_refused():

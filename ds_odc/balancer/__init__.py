@@ -1,16 +1,19 @@
 """Minibatch load balancing for ODC (LB-Mini), its collective-compatible baselines, and a simulator.
 
 No ``torch.distributed`` here: world size and rank are plain ints and every rank computes the same plan from the
-same inputs.  Only the packed collator needs torch; it is imported lazily.  See docs/BALANCER.md.
+same inputs (the automatic cost too: it is fitted from numbers every rank already has).  Only the packed collator needs torch; it is imported lazily.  See docs/BALANCER.md.
 """
 
 from typing import Any
 
+from .autocost import AutoCost, CostUpdate
+from .checks import DataError, DataReport
 from .cost import CostModel, FittedCost, QuadraticCost, TokenCost, get_cost_model
 from .packing import PackingError, first_fit_decreasing, pack
 from .partitioner import greedy_lpt, makespan, partition
 from .planners import OVERSIZE_POLICIES, PLANNERS, Plan, plan_minibatch
-from .sampler import BalancedBatchSampler, RankBatch, lengths_from_dataset, lengths_from_file
+from .sampler import (BalancedBatchSampler, RankBatch, lengths_from_dataset, lengths_from_file,
+                      sq_lengths_from_dataset)
 
 __all__ = [
     "CostModel",
@@ -18,6 +21,10 @@ __all__ = [
     "QuadraticCost",
     "FittedCost",
     "get_cost_model",
+    "AutoCost",
+    "CostUpdate",
+    "DataError",
+    "DataReport",
     "partition",
     "greedy_lpt",
     "makespan",
@@ -32,6 +39,7 @@ __all__ = [
     "RankBatch",
     "lengths_from_dataset",
     "lengths_from_file",
+    "sq_lengths_from_dataset",
     "PackedCollator",
 ]
 

@@ -7,10 +7,12 @@ busy seconds, tokens, sum of squared sample lengths and microbatch count. A non-
 
     busy = a * tokens + b * sum(L^2) + c * microbatches + d
 
-(``d``: the per-step part every rank pays alike, such as the optimizer step) gives the per-sample cost
-``a*L + b*L^2 + c`` that ``--cost fitted --cost-coeffs a,b,c`` plans with, ``c`` being the fixed host and launch cost
-of a microbatch (one sample per microbatch). The fit needs rank-steps that differ in their mix of lengths and counts:
-several steps of an imbalanced workload, or runs of more than one planner.
+(``d``: the per-step part every rank pays alike, such as the optimizer step) gives the cost ``a*L + b*L^2`` per
+sample plus ``c`` per microbatch that ``--cost fitted --cost-coeffs a,b,c`` plans with, ``c`` being the fixed host
+and launch cost of a microbatch. The fit needs rank-steps that differ in their mix of lengths and counts: several
+steps of an imbalanced workload, or runs of more than one planner. This is the fit that ``cost="auto"`` (the
+default) makes online from the latest steps; run it by hand to check a run's automatic cost (the metrics file
+records the automatic cost of every step) or to fix a cost for a bit-reproducible run.
 """
 
 from __future__ import annotations
@@ -22,6 +24,8 @@ from pathlib import Path
 from typing import Sequence
 
 import numpy as np
+
+from .lsq import solve, stats_of
 
 COLUMNS = ("a (per token)", "b (per token^2)", "c (per microbatch)", "d (per step)")
 
@@ -42,22 +46,12 @@ def rank_steps(metrics: dict, warmup_steps: int = 1) -> np.ndarray:
 
 
 def fit(rows: np.ndarray) -> tuple[np.ndarray, float]:
-    """Non-negative coefficients (a, b, c, d) and the rms residual in seconds (small active-set NNLS)."""
-    X, y = rows[:, :4], rows[:, 4]
+    """Non-negative coefficients (a, b, c, d) and the rms residual in seconds (the same exactly rounded solver as
+    the automatic cost, without its prior)."""
     if len(rows) < 4:
         raise ValueError(f"{len(rows)} rank-steps: need at least 4 to fit 4 coefficients")
-    scale = np.abs(X).max(axis=0)
-    scale[scale == 0] = 1.0
-    active = list(range(4))
-    coef = np.zeros(4)
-    while active:
-        sol, *_ = np.linalg.lstsq(X[:, active] / scale[active], y, rcond=None)
-        if (sol >= 0).all():
-            coef[:] = 0.0
-            coef[active] = sol / scale[active]
-            break
-        active.pop(int(np.argmin(sol)))  # drop the most negative term and refit
-    rms = float(np.sqrt(np.mean((X @ coef - y) ** 2)))
+    coef = np.asarray(solve(stats_of(rows[:, 0], rows[:, 1], rows[:, 2], rows[:, 4])), dtype=np.float64)
+    rms = float(np.sqrt(np.mean((rows[:, :4] @ coef - rows[:, 4]) ** 2)))
     return coef, rms
 
 
@@ -67,7 +61,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     p.add_argument("--warmup-steps", type=int, default=1, help="leading steps of each file to leave out")
     args = p.parse_args(argv)
     try:
-        rows = np.concatenate([rank_steps(json.loads(Path(f).read_text()), args.warmup_steps) for f in args.metrics])
+        runs = [json.loads(Path(f).read_text()) for f in args.metrics]
+        rows = np.concatenate([rank_steps(run, args.warmup_steps) for run in runs])
         coef, rms = fit(rows)
     except (ValueError, KeyError) as err:
         print(f"ds_odc.balancer.fit: {err}", file=sys.stderr)
@@ -77,12 +72,27 @@ def main(argv: Sequence[str] | None = None) -> int:
         print("warning: every rank-step ran the same number of microbatches, so c (per microbatch) and d (per step) "
               "cannot be told apart; add a run whose ranks run different counts (e.g. --balancer lb-mini)",
               file=sys.stderr)
-    for name, value in zip(COLUMNS, coef):
-        print(f"{name:<20} {value:.4g}")
+    automatic = [automatic_cost(run) for run in runs]
+    print(f"{'':<20} {'this fit':>11}" + "".join(f" {'automatic' + (f' ({i})' if len(runs) > 1 else ''):>13}"
+                                                for i, a in enumerate(automatic) if a))
+    for k, (name, value) in enumerate(zip(COLUMNS, coef)):
+        print(f"{name:<20} {value:>11.4g}" + "".join(f" {a['abcd'[k]]:>13.4g}" for a in automatic if a))
     print(f"rank-steps {len(rows)}, busy {busy.mean():.3f} s on average, rms residual {rms:.3f} s "
           f"({rms / busy.mean():.1%})")
+    if any(automatic):
+        print("(automatic: the cost the run itself had fitted after its last step, from its latest steps, with the "
+              "model-shape prior and outlier steps left out)")
     print(f"--cost fitted --cost-coeffs {coef[0]:.4g},{coef[1]:.4g},{coef[2]:.4g}")
     return 0
+
+
+def automatic_cost(metrics: dict) -> dict | None:
+    """The automatic cost a run recorded after its last step (``cost="auto"``), if it fitted one."""
+    for step in reversed(metrics.get("steps", [])):
+        cost = step.get("cost")
+        if cost and cost.get("fitted"):
+            return cost
+    return None
 
 
 if __name__ == "__main__":

@@ -7,8 +7,9 @@ packed forward/backward).  Two questions are answered here:
   decreasing gives a feasible count; if it is above the lower bound ``ceil(tokens / max_tokens)`` we also try a
   token-balanced :func:`~ds_odc.balancer.partitioner.partition` for each count in between and keep the first fit.
 * ``k=m`` -- split into exactly ``m`` microbatches (collective training needs the same count on every rank).  The
-  split balances *cost* so that microbatch slot ``j`` takes about the same time on every rank; if that split
-  breaks the budget we fall back to a token-balanced split, then to the fewest-microbatches packing split further.
+  split balances *cost* (each sample's, by its documents) so that microbatch slot ``j`` takes about the same time
+  on every rank; if that split breaks the budget we fall back to a token-balanced split, then to the
+  fewest-microbatches packing split further.
 
 Microbatches are returned heaviest first (by cost, ties by first index), which lines slot ``j`` up across ranks.
 ``max_tokens=None`` means no packing: one sample per microbatch.
@@ -35,6 +36,7 @@ def pack(
     max_tokens: int | None,
     k: int | None = None,
     cost: "str | CostModel" = "tokens",
+    sq_lengths: Sequence[float] | None = None,
 ) -> list[list[int]]:
     """Pack ``indices`` (positions in ``lengths``) into microbatches of at most ``max_tokens`` tokens.
 
@@ -44,7 +46,10 @@ def pack(
         max_tokens: token budget per microbatch, or ``None`` for one sample per microbatch.
         k: exact number of microbatches wanted (empty microbatches appear only if ``k > len(indices)``), or
             ``None`` for as few as possible.
-        cost: cost model used to balance microbatches when ``k`` is given.
+        cost: cost model used to balance microbatches when ``k`` is given (each sample's own cost; the fixed
+            cost of a microbatch is the same for all ``k`` of them).
+        sq_lengths: per sample, the sum of its documents' squared lengths, indexed like ``lengths`` (``None``: one
+            document per sample).
 
     Raises:
         ValueError: a sample is longer than ``max_tokens`` (handle it with the planner's ``oversize`` policy), or
@@ -52,7 +57,8 @@ def pack(
     """
     idx = [int(i) for i in indices]
     lens = [int(lengths[i]) for i in idx]
-    costs = get_cost_model(cost)(lens).tolist() if idx else []
+    sq = None if sq_lengths is None else [float(sq_lengths[i]) for i in idx]
+    costs = get_cost_model(cost).sample_costs(lens, sq).tolist() if idx else []
     for i, L in zip(idx, lens):
         if max_tokens is not None and L > max_tokens:
             raise ValueError(

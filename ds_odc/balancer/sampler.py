@@ -3,6 +3,11 @@
 Every rank builds the same :class:`BalancedBatchSampler` (same lengths, seed, world size) and only ``rank``
 differs, so all ranks draw the same global minibatches and compute the same plan without communicating.
 
+The cost it balances is learned by default (``cost="auto"``, :mod:`ds_odc.balancer.autocost`): after every
+optimizer step, pass every rank's measured numbers to :meth:`BalancedBatchSampler.observe` (the same gathered
+numbers on every rank, e.g. the ``StepRecord`` of :func:`ds_odc.metrics.gather_step`), and the next plans use
+the refitted cost. The samples are checked when the sampler is built (:mod:`ds_odc.balancer.checks`).
+
 Epoch order: with ``shuffle=True`` the dataset is permuted with ``numpy.random.default_rng([seed, epoch])``;
 consecutive chunks of ``minibatch_size * world_size`` indices form the global minibatches.  Call
 :meth:`set_epoch` before each epoch, as with ``torch.utils.data.DistributedSampler`` (without it every epoch
@@ -20,19 +25,26 @@ Typical loop::
                 loss_sum = ...                     # sum of per-token losses of this microbatch
                 (loss_sum / (batch.num_tokens - batch.num_samples)).backward()
             optimizer.step()
+            sampler.observe(gather_step(...))      # every rank's busy time, tokens and microbatches
 """
 
 from __future__ import annotations
 
+import logging
 from dataclasses import dataclass
-from typing import Any, Iterator, Sequence
+from typing import Any, Callable, Iterator, Sequence
 
 import numpy as np
 
-from .cost import CostModel, get_cost_model
-from .planners import PLANNERS, plan_minibatch
+from .autocost import AutoCost, CostUpdate, rank_rows
+from .checks import DataError, DataReport, check_lengths
+from .cost import MICROBATCH_PRIOR_TOKENS, CostModel, QuadraticCost, get_cost_model
+from .planners import OVERSIZE_POLICIES, PLANNERS, effective_lengths, plan_minibatch
 
-__all__ = ["RankBatch", "BalancedBatchSampler", "lengths_from_dataset", "lengths_from_file"]
+__all__ = ["RankBatch", "BalancedBatchSampler", "auto_cost_prior", "lengths_from_dataset", "sq_lengths_from_dataset",
+           "lengths_from_file"]
+
+logger = logging.getLogger("ds_odc.balancer")
 
 
 @dataclass(frozen=True)
@@ -48,7 +60,8 @@ class RankBatch:
         step: index of this minibatch within the epoch.
         epoch: the epoch it belongs to.
         truncated: dataset indices (whole minibatch) that were truncated to ``max_tokens``.
-        skipped: dataset indices (whole minibatch) that were left out (``oversize="skip"``).
+        skipped: dataset indices (whole minibatch) that were left out (always empty from the sampler, which
+            leaves ``oversize="skip"`` samples out of every epoch up front).
     """
 
     microbatches: list[list[int]]
@@ -64,6 +77,17 @@ class RankBatch:
         return self.num_tokens - self.num_samples
 
 
+def auto_cost_prior(model_config: Any = None) -> CostModel:
+    """Where ``cost="auto"`` starts: the model shape's training FLOPs (``QuadraticCost.from_hf_config``) or, without
+    a model config, one unit per token; in both cases plus a microbatch worth :data:`MICROBATCH_PRIOR_TOKENS`."""
+    if model_config is not None:
+        try:
+            return QuadraticCost.from_hf_config(model_config, microbatch_tokens=MICROBATCH_PRIOR_TOKENS)
+        except ValueError:  # not a decoder's config: the fit learns the shape from tokens up
+            logger.info("ds_odc balancer: the model config has no decoder shape; the automatic cost starts from tokens")
+    return QuadraticCost(a=1.0, b=0.0, c=float(MICROBATCH_PRIOR_TOKENS))
+
+
 class BalancedBatchSampler:
     """Yields a :class:`RankBatch` per minibatch for one rank.
 
@@ -73,10 +97,21 @@ class BalancedBatchSampler:
         minibatch_size: samples *per rank* per minibatch; a global minibatch holds ``minibatch_size * world_size``.
         max_tokens: token budget per microbatch (``None``: one sample per microbatch).
         planner: ``"lb-mini"`` (ODC), ``"lb-micro"`` or ``"local-sort"`` (collective-compatible).
-        cost: cost model name or instance.
+        cost: ``"auto"`` (default: learned from :meth:`observe`), ``"tokens"``, ``"quadratic"`` (needs
+            ``model_config``) or a :class:`~ds_odc.balancer.cost.CostModel`.
+        model_config: the model's (Hugging Face) config: the shape ``"auto"`` starts from and ``"quadratic"`` uses.
+        sq_lengths: per sample, the sum of its documents' squared lengths, for rows that already pack several
+            documents (attention is per document); ``None``: one document per sample.
         seed, shuffle: epoch permutation.
         drop_last: drop the final incomplete minibatch (default); otherwise plan it with fewer samples.
-        oversize: planner policy for samples longer than ``max_tokens``.
+        oversize: samples longer than ``max_tokens``: ``"error"`` (raise now, naming them), ``"truncate"`` (train
+            their first ``max_tokens`` tokens) or ``"skip"`` (leave them out of every epoch); counted in
+            :attr:`data_report`.
+        cost_lag: with ``cost="auto"``, minibatch ``g`` is planned with the fit after ``g - cost_lag`` observed
+            steps; raise it to the number of minibatches a loader draws ahead of training (see
+            :mod:`ds_odc.balancer.autocost`).
+        describe_sample: ``index -> str``, a few words about a sample for error messages (e.g. its dataset row).
+        auto_cost: keyword arguments of :class:`~ds_odc.balancer.autocost.AutoCost` (window, warmup_steps, ...).
     """
 
     def __init__(
@@ -88,11 +123,16 @@ class BalancedBatchSampler:
         minibatch_size: int,
         max_tokens: int | None,
         planner: str = "lb-mini",
-        cost: "str | CostModel" = "tokens",
+        cost: "str | CostModel" = "auto",
+        model_config: Any = None,
+        sq_lengths: Sequence[float] | None = None,
         seed: int = 0,
         shuffle: bool = True,
         drop_last: bool = True,
         oversize: str = "error",
+        cost_lag: int = 0,
+        describe_sample: Callable[[int], str] | None = None,
+        auto_cost: dict | None = None,
     ) -> None:
         if world_size < 1 or not 0 <= rank < world_size:
             raise ValueError(f"need 0 <= rank < world_size, got rank={rank}, world_size={world_size}")
@@ -100,26 +140,50 @@ class BalancedBatchSampler:
             raise ValueError(f"minibatch_size must be >= 1, got {minibatch_size}")
         if planner not in PLANNERS:
             raise ValueError(f"unknown planner {planner!r}; choose one of {PLANNERS}")
-        self.lengths = np.asarray(lengths, dtype=np.int64).reshape(-1)
+        if oversize not in OVERSIZE_POLICIES:
+            raise ValueError(f"unknown oversize policy {oversize!r}; choose one of {OVERSIZE_POLICIES}")
+        if max_tokens is not None and max_tokens < 1:
+            raise ValueError(f"max_tokens must be a positive int or None, got {max_tokens}")
+        self.lengths = np.asarray(lengths).reshape(-1)
+        self.data_report: DataReport = check_lengths(self.lengths, max_tokens, oversize, describe_sample)
+        self.lengths = self.lengths.astype(np.int64, copy=False)
+        self.sq_lengths = None if sq_lengths is None else np.asarray(sq_lengths, dtype=np.float64).reshape(-1)
+        if self.sq_lengths is not None and self.sq_lengths.size != self.lengths.size:
+            raise ValueError(f"sq_lengths has {self.sq_lengths.size} entries for {self.lengths.size} samples")
         self.world_size = int(world_size)
         self.rank = int(rank)
         self.minibatch_size = int(minibatch_size)
         self.max_tokens = max_tokens
         self.planner = planner
-        self.cost = get_cost_model(cost)
+        self.auto: AutoCost | None = None
+        if cost == "auto":
+            self.auto = AutoCost(auto_cost_prior(model_config), lag=cost_lag, **(auto_cost or {}))
+            self.cost = self.auto.prior
+        else:
+            self.cost = get_cost_model(cost, model_config)
         self.seed = int(seed)
         self.shuffle = bool(shuffle)
         self.drop_last = bool(drop_last)
         self.oversize = oversize
+        # The samples every epoch draws from: skipped ones are left out here, so minibatches stay full.
+        keep = np.ones(self.lengths.size, dtype=bool)
+        keep[self.data_report.skipped] = False
+        self._pool = np.flatnonzero(keep)
         self._epoch = 0
         self._step = 0  # next minibatch to yield in the current epoch
+        self._warned_unobserved = False
+        if len(self) == 0:
+            left = f" after skipping {self.data_report.skipped.size} oversize samples" if self.data_report.skipped.size else ""
+            raise DataError(f"the dataset has {self._pool.size} samples{left}, fewer than one global minibatch of "
+                            f"{self.global_minibatch_size} (minibatch_size {self.minibatch_size} x world size "
+                            f"{self.world_size}): nothing to train. Use a smaller minibatch or more data")
 
     @property
     def global_minibatch_size(self) -> int:
         return self.minibatch_size * self.world_size
 
     def __len__(self) -> int:
-        n, g = len(self.lengths), self.global_minibatch_size
+        n, g = self._pool.size, self.global_minibatch_size
         return n // g if self.drop_last else -(-n // g)
 
     def set_epoch(self, epoch: int) -> None:
@@ -130,10 +194,22 @@ class BalancedBatchSampler:
     def epoch_order(self, epoch: int | None = None) -> np.ndarray:
         """Dataset indices in the order minibatches are cut from for ``epoch`` (default: current)."""
         e = self._epoch if epoch is None else int(epoch)
-        n = len(self.lengths)
         if not self.shuffle:
-            return np.arange(n)
-        return np.random.default_rng([self.seed, e]).permutation(n)
+            return self._pool.copy()
+        return self._pool[np.random.default_rng([self.seed, e]).permutation(self._pool.size)]
+
+    def cost_for(self, step: int, epoch: int | None = None) -> CostModel:
+        """The cost model that plans minibatch ``step`` of ``epoch``."""
+        if self.auto is None:
+            return self.cost
+        e = self._epoch if epoch is None else int(epoch)
+        g = e * len(self) + int(step)
+        if g - self.auto.lag > self.auto.observed + 1 and not self._warned_unobserved:
+            self._warned_unobserved = True
+            logger.warning(f"ds_odc balancer: cost='auto' plans minibatch {g} but has observed {self.auto.observed} "
+                           "steps: call sampler.observe(gather_step(...)) after every optimizer step (or pass a fixed "
+                           "cost, e.g. cost='tokens'); until then it plans with its prior")
+        return self.auto.model_for(g)
 
     def minibatch(self, step: int, epoch: int | None = None) -> RankBatch:
         """The :class:`RankBatch` of minibatch ``step`` (random access; does not move the iterator)."""
@@ -147,8 +223,9 @@ class BalancedBatchSampler:
             self.world_size,
             planner=self.planner,
             max_tokens=self.max_tokens,
-            cost=self.cost,
+            cost=self.cost_for(step, e),
             oversize=self.oversize,
+            sq_lengths=None if self.sq_lengths is None else self.sq_lengths[ids],
         )
         ids_l = ids.tolist()
         return RankBatch(
@@ -173,8 +250,37 @@ class BalancedBatchSampler:
             yield batch
         self._step = 0
 
+    def load(self, microbatches: Sequence[Sequence[int]]) -> tuple[int, float]:
+        """(tokens, sum of squared document lengths) that these microbatches of dataset indices train, as the
+        planner counts them (truncated samples at ``max_tokens``): what a rank reports to :meth:`observe`."""
+        ids = np.asarray([i for mb in microbatches for i in mb], dtype=np.int64)
+        if ids.size == 0:
+            return 0, 0.0
+        lens = self.lengths[ids]
+        truncated = np.flatnonzero(lens > self.max_tokens) if self.max_tokens is not None else ()
+        eff, sq = effective_lengths(lens, None if self.sq_lengths is None else self.sq_lengths[ids], truncated,
+                                    self.max_tokens)
+        return int(eff.sum()), float(sq.sum())
+
+    # -- the automatic cost ------------------------------------------------------------------------------------------
+    def observe(self, step_record: Any) -> CostUpdate | None:
+        """Feed one trained step's per-rank numbers to the automatic cost (a no-op for a fixed cost).
+
+        ``step_record``: a ``StepRecord`` (``ds_odc.metrics.gather_step``), its ``per_rank`` list, or dicts with
+        ``busy_s``, ``tokens``, ``sq_tokens`` and ``microbatches`` per rank -- the same on every rank, in rank order
+        or not. Call it once per optimizer step, in order. Returns the update (coefficients, predicted vs measured
+        step time) or ``None``.
+        """
+        if self.auto is None:
+            return None
+        tokens, sq, mbs, busy = rank_rows(step_record)
+        if len(busy) != self.world_size:
+            raise ValueError(f"observe() got numbers of {len(busy)} ranks; this sampler plans for {self.world_size}")
+        return self.auto.observe(tokens, sq, mbs, busy)
+
+    # -- checkpoints ---------------------------------------------------------------------------------------------------
     def state_dict(self) -> dict[str, Any]:
-        return {
+        state = {
             "epoch": self._epoch,
             "step": self._step,
             "seed": self.seed,
@@ -184,28 +290,71 @@ class BalancedBatchSampler:
             "minibatch_size": self.minibatch_size,
             "planner": self.planner,
         }
+        if self.auto is not None:
+            state["auto_cost"] = self.auto.state_dict()
+        return state
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
-        """Resume exactly: the next batch yielded is the one after the last consumed one before saving."""
+        """Resume exactly: the next batch yielded is the one after the last consumed one before saving, planned with
+        the same cost (the automatic cost's statistics are part of the state)."""
         for key in ("seed", "shuffle", "num_samples", "world_size", "minibatch_size", "planner"):
             mine = self.state_dict()[key]
             if key in state and state[key] != mine:
                 raise ValueError(f"cannot resume: checkpoint has {key}={state[key]!r}, this sampler has {mine!r}")
+        if self.auto is not None:
+            if "auto_cost" in state:
+                self.auto.load_state_dict(state["auto_cost"])
+            else:
+                logger.warning("ds_odc balancer: the checkpoint has no automatic-cost state (it was saved with a fixed "
+                               "cost); the cost is learned again from the prior")
         self._epoch = int(state["epoch"])
         self._step = int(state["step"])
 
 
-def lengths_from_dataset(ds: Any, column: str = "input_ids") -> list[int]:
-    """Per-sample lengths from an HF ``datasets.Dataset`` (or any mapping of columns).
+def lengths_from_dataset(ds: Any, column: str = "input_ids") -> np.ndarray:
+    """Per-sample lengths (int64 array) from an HF ``datasets.Dataset`` (or any mapping of columns).
 
     ``column`` may hold token lists (their lengths are taken) or integers (taken as lengths, e.g. a precomputed
-    ``"length"`` column).
+    ``"length"`` column). An HF dataset is read as Arrow in batches, without converting rows to Python: seconds
+    for ten million rows.
     """
+    if hasattr(ds, "with_format") and hasattr(ds, "column_names"):
+        return _arrow_column(ds, column, lambda col, pc: pc.list_value_length(col))
     values = ds[column]
-    out = []
-    for v in values:
-        out.append(int(v) if isinstance(v, (int, np.integer)) else len(v))
-    return out
+    return np.asarray([int(v) if isinstance(v, (int, np.integer)) else len(v) for v in values], dtype=np.int64)
+
+
+def sq_lengths_from_dataset(ds: Any, column: str = "seq_lengths") -> np.ndarray:
+    """Per row, the sum of its documents' squared lengths, from a column of document lengths (TRL's packed datasets
+    carry one, ``seq_lengths``): what attention costs in a row that packs several documents."""
+    if hasattr(ds, "with_format") and hasattr(ds, "column_names"):
+        def sums_of_squares(col, pc):
+            import pyarrow as pa
+            col = col.combine_chunks() if isinstance(col, pa.ChunkedArray) else col
+            flat = np.asarray(pc.list_flatten(col), dtype=np.float64)
+            offsets = np.asarray(col.offsets, dtype=np.int64)
+            offsets = offsets - offsets[0]  # a sliced array's offsets start where its first list does
+            csum = np.concatenate([[0.0], np.cumsum(flat * flat)])
+            return csum[offsets[1:]] - csum[offsets[:-1]]
+        return _arrow_column(ds, column, sums_of_squares, dtype=np.float64)
+    return np.asarray([float(sum(int(x) ** 2 for x in v)) for v in ds[column]], dtype=np.float64)
+
+
+def _arrow_column(ds: Any, column: str, of_lists, dtype=np.int64) -> np.ndarray:
+    if column not in ds.column_names:
+        raise ValueError(f"the dataset has no column {column!r} (columns: {ds.column_names})")
+    import pyarrow as pa
+    import pyarrow.compute as pc
+    parts = []
+    for table in ds.select_columns([column]).with_format("arrow").iter(batch_size=1_000_000):
+        col = table.column(column)
+        if pa.types.is_integer(col.type):
+            parts.append(np.asarray(col, dtype=dtype))
+        elif pa.types.is_list(col.type) or pa.types.is_large_list(col.type):
+            parts.append(np.asarray(of_lists(col, pc), dtype=dtype))
+        else:
+            raise ValueError(f"column {column!r} holds {col.type}: expected token lists or integer lengths")
+    return np.concatenate(parts) if parts else np.zeros(0, dtype=dtype)
 
 
 def lengths_from_file(

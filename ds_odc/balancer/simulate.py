@@ -1,23 +1,32 @@
 """Simulator: predicted idle time (bubble rate) of each planner at cluster scale, from sequence lengths alone.
 
     python -m ds_odc.balancer.simulate (--lengths FILE | --preset NAME) --ranks R --minibatch-size M \\
-        --max-tokens T [--cost tokens|quadratic] [--steps N] [--seed S] [--json] [--plot out.png]
+        --max-tokens T [--cost tokens|quadratic|fitted] [--microbatch-overhead X] [--plan-cost auto|given|oracle] \\
+        [--steps N] [--seed S] [--json] [--plot out.png]
 
 For each of ``--steps`` minibatches, ``M * R`` lengths are drawn (``--seed``): from FILE (one length per line;
-without replacement when the file is large enough) or from a preset (see :mod:`ds_odc.balancer.presets`).  Each
-planner plans the minibatch; a rank's *busy* time is the summed cost (``--cost``) of its samples.  Step time
-depends on how the planner's runtime synchronises:
+without replacement when the file is large enough) or from a preset (see :mod:`ds_odc.balancer.presets`).
+
+**The simulated machine.** A microbatch takes the ``--cost`` model's time (its samples' ``a*L + b*L^2`` plus the
+model's ``c``) plus ``--microbatch-overhead``. Step time depends on how the planner's runtime synchronises:
 
 * collective (``local-sort``, ``lb-micro``): every microbatch ends in collectives, so microbatch slot ``j`` ends
   when the slowest rank finishes its ``j``-th microbatch: step = sum over slots j of max over ranks of cost(r, j);
 * ODC (``lb-mini``): ranks only meet at the end of the minibatch: step = max over ranks of the rank's total.
 
+**What the planners know** (``--plan-cost``): ``given``, the ``--cost`` model without the overhead; ``oracle``,
+the machine's true cost, overhead included; ``auto`` (the default, as in training), the
+:class:`~ds_odc.balancer.autocost.AutoCost` fit, starting from the ``--cost`` model plus a per-microbatch prior and
+refitted after every simulated step from the simulated busy times (``--noise`` perturbs them), next to the oracle,
+so the output shows how many steps the fit takes to plan as well as the truth would.
+
 Bubble rate = 1 - sum(busy) / (R * makespan), aggregated over steps as
 1 - sum_steps sum_ranks busy / (R * sum_steps step_time): the fraction of device time spent waiting.
 
-The model ignores communication and the optimizer step; it isolates the imbalance a planner leaves. A fixed cost per
-microbatch (``--microbatch-overhead``, e.g. the host overhead measured on GPUs) can be added to every microbatch.  The *balance bound* per step is max(total / R, costliest sample): no minibatch-level planner can
-finish faster, so when one sample costs more than the fair share the bound, not the planner, limits the gain.
+The model ignores communication and the optimizer step; it isolates the imbalance a planner leaves. The *balance
+bound* per step is max(fair share, costliest sample alone in a microbatch), the fair share being the minibatch's
+least possible work (its samples plus the fewest microbatches the budget allows) over R: no planner can finish a
+step sooner, so when one sample costs more than the fair share the bound, not the planner, limits the gain.
 """
 
 from __future__ import annotations
@@ -32,13 +41,31 @@ from typing import Iterable, Sequence
 
 import numpy as np
 
-from .cost import CostModel, FittedCost, get_cost_model
-from .planners import PLANNERS, Plan, plan_minibatch
+from .autocost import AutoCost
+from .cost import MICROBATCH_PRIOR_TOKENS, CostModel, FittedCost, QuadraticCost, TokenCost, get_cost_model
+from .planners import PLANNERS, Plan, effective_lengths, plan_minibatch
 from .presets import PRESETS, get_preset
 
-__all__ = ["SYNC_MODE", "StepResult", "simulate_step", "simulate", "main"]
+__all__ = ["SYNC_MODE", "PLAN_COSTS", "StepResult", "Machine", "simulate_step", "simulate", "main"]
 
 SYNC_MODE = {"local-sort": "collective", "lb-micro": "collective", "lb-mini": "odc", "lb-mini-sp": "odc-sp"}
+PLAN_COSTS = ("auto", "given", "oracle")
+CONVERGED = 0.02  # auto plans count as converged once their step times stay within 2% of the oracle's (or below)
+CONVERGED_WINDOW = 5
+
+
+@dataclass(frozen=True)
+class Machine:
+    """The simulated machine: a microbatch takes ``cost``'s time plus ``overhead``."""
+
+    cost: CostModel
+    overhead: float = 0.0
+
+    @property
+    def truth(self) -> FittedCost:
+        """The machine's cost as one model (what an oracle planner would be told)."""
+        a, b, c = self.cost.coefficients()
+        return FittedCost(a, b, c + self.overhead)
 
 
 @dataclass(frozen=True)
@@ -49,9 +76,13 @@ class StepResult:
     num_microbatches: np.ndarray  # per rank
     truncated: int
     skipped: int
+    microbatch_times: tuple[tuple[float, ...], ...] = ()  # per rank, per microbatch (for plots)
+    tokens: np.ndarray | None = None  # per rank (what a run measures, for the automatic cost)
+    sq_tokens: np.ndarray | None = None
+    splits: tuple = ()  # lb-mini-sp: the split samples (ds_odc.balancer.sp.SplitSample), in execution order
 
 
-def step_time_of(plan: Plan, mb_costs: Sequence[Sequence[float]], sync: str) -> float:
+def step_time_of(plan: Plan | None, mb_costs: Sequence[Sequence[float]], sync: str) -> float:
     """Step time of one plan under ``sync`` ("collective", "odc", or "odc-sp": ODC whose split samples make their
     groups meet) given per-microbatch costs."""
     if sync == "odc-sp":
@@ -63,6 +94,29 @@ def step_time_of(plan: Plan, mb_costs: Sequence[Sequence[float]], sync: str) -> 
     return math.fsum(max((r[j] for r in mb_costs if j < len(r)), default=0.0) for j in range(slots))
 
 
+def run_plan(name: str, plan: Plan, lengths: Sequence[int], machine: Machine) -> StepResult:
+    """Time ``plan`` on ``machine``."""
+    mbc = [[t + machine.overhead for t in r] for r in plan.microbatch_costs(machine.cost, lengths)]
+    eff, sq = effective_lengths(lengths, None, plan.truncated, plan.max_tokens)
+    if hasattr(plan, "rank_loads"):  # lb-mini-sp: a group member's share of a split sample
+        tokens, sq_tokens = plan.rank_loads(lengths)
+    else:
+        tokens = np.array([int(eff[plan.rank_samples(r)].sum()) for r in range(plan.world_size)])
+        sq_tokens = np.array([float(sq[plan.rank_samples(r)].sum()) for r in range(plan.world_size)])
+    return StepResult(
+        planner=name,
+        busy=np.array([math.fsum(r) for r in mbc]),
+        step_time=step_time_of(plan, mbc, SYNC_MODE[name]),
+        num_microbatches=np.array([len(r) for r in plan.microbatches]),
+        truncated=len(plan.truncated),
+        skipped=len(plan.skipped),
+        microbatch_times=tuple(tuple(r) for r in mbc),
+        tokens=tokens,
+        sq_tokens=sq_tokens,
+        splits=tuple(getattr(plan, "splits", ())),
+    )
+
+
 def simulate_step(
     lengths: Sequence[int],
     ranks: int,
@@ -71,32 +125,56 @@ def simulate_step(
     planners: Iterable[str] = PLANNERS,
     oversize: str = "truncate",
     microbatch_overhead: float = 0.0,
+    plan_cost: "CostModel | dict[str, CostModel] | None" = None,
     split: "SplitPolicy | None" = None,
 ) -> dict[str, StepResult]:
-    """Plan one minibatch with each planner and time it under the planner's sync mode. ``microbatch_overhead`` (cost
-    units) is added to every microbatch's time but not told to the planners: the fixed host cost a runtime pays per
-    microbatch (measured on GPUs: docs/BENCHMARKS.md)."""
-    cm = get_cost_model(cost)
+    """Plan one minibatch with each planner and time it under the planner's sync mode.
+
+    ``cost`` and ``microbatch_overhead`` are the machine (see the module docstring); ``plan_cost`` what the planners
+    plan with (one model, or one per planner; default: ``cost``, blind to the overhead)."""
+    machine = Machine(get_cost_model(cost), microbatch_overhead)
     out = {}
     for name in planners:
-        plan = plan_minibatch(lengths, ranks, planner=name, max_tokens=max_tokens, cost=cm, oversize=oversize,
-                              split=split)
-        mbc = [[c + microbatch_overhead for c in r] for r in plan.microbatch_costs(cm, lengths)]
-        out[name] = StepResult(
-            planner=name,
-            busy=np.array([math.fsum(r) for r in mbc]),
-            step_time=step_time_of(plan, mbc, SYNC_MODE[name]),
-            num_microbatches=np.array([len(r) for r in plan.microbatches]),
-            truncated=len(plan.truncated),
-            skipped=len(plan.skipped),
-        )
+        known = plan_cost.get(name) if isinstance(plan_cost, dict) else plan_cost
+        plan = plan_minibatch(lengths, ranks, planner=name, max_tokens=max_tokens, cost=known or machine.cost,
+                              oversize=oversize, split=split)
+        out[name] = run_plan(name, plan, lengths, machine)
     return out
+
+
+def balance_bound(lengths: np.ndarray, ranks: int, max_tokens: int | None, oversize: str,
+                  machine: Machine) -> tuple[float, float, bool]:
+    """(least total busy time, bound on the step time, whether one sample alone exceeds the fair share)."""
+    lengths = np.asarray(lengths, dtype=np.int64)
+    truncated: Sequence[int] = ()
+    if max_tokens is not None:
+        over = lengths > max_tokens
+        if oversize == "skip":
+            lengths = lengths[~over]
+        elif oversize == "truncate":
+            truncated = np.flatnonzero(over)
+    if lengths.size == 0:
+        return 0.0, 0.0, False
+    eff, sq = effective_lengths(lengths, None, truncated, max_tokens)
+    costs = machine.cost.sample_costs(eff, sq)
+    fixed = machine.truth.per_microbatch
+    fewest = eff.size if max_tokens is None else max(1, -(-int(eff.sum()) // max_tokens))
+    least = float(costs.sum()) + fixed * fewest
+    fair, biggest = least / ranks, float(costs.max()) + fixed
+    return least, max(fair, biggest), biggest > fair
 
 
 def _draw(source: np.ndarray | str, n: int, rng: np.random.Generator) -> np.ndarray:
     if isinstance(source, str):
         return get_preset(source).sample(n, rng)
     return rng.choice(source, size=n, replace=len(source) < n)
+
+
+def auto_prior(cost: CostModel) -> CostModel:
+    """What ``plan_cost="auto"`` starts from: ``cost`` plus a microbatch worth :data:`MICROBATCH_PRIOR_TOKENS` of its
+    per-token term, as the sampler's prior does."""
+    a, b, c = cost.coefficients()
+    return QuadraticCost(a=a, b=b, c=c + a * MICROBATCH_PRIOR_TOKENS)
 
 
 def simulate(
@@ -113,91 +191,170 @@ def simulate(
     keep_steps: bool = False,
     microbatch_overhead: float = 0.0,
     in_order: bool = False,
+    plan_cost: str = "given",
+    noise: float = 0.0,
     split: "SplitPolicy | None" = None,
 ) -> dict:
     """Run ``steps`` minibatches; ``source`` is a preset name or a pool of lengths.  Returns the JSON summary.
 
     ``in_order``: minibatch k is the pool's k-th run of ``ranks * minibatch_size`` lengths, as a sampler without
     shuffling sees a lengths file (to predict a measured run); at most ``len(pool) // (ranks * minibatch_size)``
-    steps."""
+    steps. ``plan_cost``: ``"given"``, ``"oracle"`` or ``"auto"`` (see the module docstring); with ``"auto"`` each
+    planner also runs with the oracle's cost on the same minibatches, for comparison, and ``noise`` is the relative
+    standard deviation of the busy times the fit sees."""
+    if plan_cost not in PLAN_COSTS:
+        raise ValueError(f"unknown plan_cost {plan_cost!r}; choose one of {PLAN_COSTS}")
     planners = list(planners)
-    cm = get_cost_model(cost)
+    machine = Machine(get_cost_model(cost), microbatch_overhead)
     pool = source if isinstance(source, str) else np.asarray(source, dtype=np.int64)
     rng = np.random.default_rng(seed)
-    busy = {p: 0.0 for p in planners}
-    wall = {p: 0.0 for p in planners}
-    mbs = {p: [] for p in planners}
-    trunc = {p: 0 for p in planners}
-    bound_time, dominant = 0.0, 0
-    history = []
+    noise_rng = np.random.default_rng([seed, 1])
     per_step = ranks * minibatch_size
     if in_order:
         if isinstance(pool, str) or len(pool) < per_step:
             raise ValueError(f"in-order simulation needs a lengths file of at least {per_step} lengths")
         steps = min(steps, len(pool) // per_step)
+    fits = {p: AutoCost(auto_prior(machine.cost)) for p in planners} if plan_cost == "auto" else {}
+    runs: dict[str, list[StepResult]] = {p: [] for p in planners}
+    oracle: dict[str, list[StepResult]] = {p: [] for p in planners}
+    least_busy = bound_time = 0.0
+    dominant = 0
+    history = []
     for step in range(steps):
         lengths = pool[step * per_step:(step + 1) * per_step] if in_order else _draw(pool, per_step, rng)
-        res = simulate_step(lengths, ranks, max_tokens, cm, planners, oversize, microbatch_overhead, split)
-        eff = lengths if max_tokens is None or oversize != "truncate" else np.minimum(lengths, max_tokens)
-        c = cm(eff)
-        fair, biggest = float(c.sum()) / ranks, float(c.max())
-        bound_time += max(fair, biggest)
-        dominant += biggest > fair
+        if plan_cost == "auto":
+            known: "CostModel | dict[str, CostModel]" = {p: fits[p].model for p in planners}
+        else:
+            known = machine.truth if plan_cost == "oracle" else machine.cost
+        res = simulate_step(lengths, ranks, max_tokens, machine.cost, planners, oversize, machine.overhead, known,
+                            split)
+        if plan_cost == "auto":
+            best = simulate_step(lengths, ranks, max_tokens, machine.cost, planners, oversize, machine.overhead,
+                                 machine.truth, split)
+            for p, r in res.items():
+                oracle[p].append(best[p])
+                measured = r.busy * (1.0 + noise * noise_rng.standard_normal(r.busy.size)) if noise else r.busy
+                fits[p].observe(r.tokens, r.sq_tokens, r.num_microbatches, measured)
+        least, bound, dom = balance_bound(lengths, ranks, max_tokens, oversize, machine)
+        least_busy += least
+        bound_time += bound
+        dominant += dom
         for p, r in res.items():
-            busy[p] += float(r.busy.sum())
-            wall[p] += r.step_time
-            mbs[p].append(r.num_microbatches)
-            trunc[p] += r.truncated
+            runs[p].append(r)
         if keep_steps:
             history.append(res)
-    base = wall.get("local-sort")
+    base = sum(r.step_time for r in runs["local-sort"]) if "local-sort" in runs else None
     summary = {}
     for p in planners:
-        all_mbs = np.concatenate(mbs[p])
+        wall = sum(r.step_time for r in runs[p])
+        busy = sum(float(r.busy.sum()) for r in runs[p])
+        all_mbs = np.concatenate([r.num_microbatches for r in runs[p]])
         summary[p] = {
             "sync": SYNC_MODE[p],
-            "bubble_rate": 1.0 - busy[p] / (ranks * wall[p]) if wall[p] > 0 else 0.0,
-            "step_time": wall[p] / steps,
-            "busy_time_per_rank": busy[p] / (ranks * steps),
-            "speedup_vs_local_sort": base / wall[p] if base and wall[p] > 0 else None,
+            "plan_cost": plan_cost,
+            "bubble_rate": max(0.0, 1.0 - busy / (ranks * wall)) if wall > 0 else 0.0,  # >= 0 but for rounding
+            "step_time": wall / steps,
+            "busy_time_per_rank": busy / (ranks * steps),
+            "speedup_vs_local_sort": base / wall if base and wall > 0 else None,
             "microbatches_per_rank_mean": float(all_mbs.mean()),
             "microbatches_per_rank_max": int(all_mbs.max()),
             "microbatches_per_rank_min": int(all_mbs.min()),
-            "truncated_samples": trunc[p],
+            "truncated_samples": sum(r.truncated for r in runs[p]),
             "balance_bound_step_time": bound_time / steps,
-            "balance_bound_bubble_rate": 1.0 - busy[p] / (ranks * bound_time) if bound_time > 0 else 0.0,
+            "balance_bound_bubble_rate": max(0.0, 1.0 - least_busy / (ranks * bound_time)) if bound_time > 0 else 0.0,
             "steps_with_dominant_sample": dominant,
         }
+        if plan_cost == "auto":
+            summary[p].update(_convergence(runs[p], oracle[p], fits[p], machine))
     if keep_steps:
         summary["_steps"] = history  # not JSON: for plotting
     return summary
 
 
-def plot_step(res: dict[str, StepResult], path: str, title: str = "") -> None:
-    """Per-rank busy (filled) and idle (hatched, up to the step time) bars, one panel per planner."""
+def _convergence(auto: list[StepResult], oracle: list[StepResult], fit: AutoCost, machine: Machine) -> dict:
+    """How the auto plans compare with the oracle's on the same minibatches."""
+    ratios = [a.step_time / o.step_time if o.step_time > 0 else 1.0 for a, o in zip(auto, oracle)]
+    # Converged: the first step from which the step times are within 2% of the oracle's on average, both over the
+    # next CONVERGED_WINDOW steps and over the rest of the run (single steps jitter either way: a heuristic planner
+    # meets near-ties, and a noisy fit tips them).
+    def mean(xs):
+        return sum(xs) / len(xs)
+    converged = next((i for i in range(len(ratios)) if mean(ratios[i:i + CONVERGED_WINDOW]) <= 1.0 + CONVERGED
+                      and mean(ratios[i:]) <= 1.0 + CONVERGED), None)
+    wall = sum(o.step_time for o in oracle)
+    a, b, c = fit.model.coefficients()
+    return {
+        "oracle_step_time": wall / len(oracle),
+        "vs_oracle_per_step": ratios,
+        "converged_step": converged,
+        "vs_oracle_after_convergence": (sum(ratios[converged:]) / len(ratios[converged:])
+                                        if converged is not None else None),
+        "fitted": {"a": a, "b": b, "c": c},
+        "truth": dict(zip("abc", machine.truth.coefficients())),
+    }
+
+
+# -- the plot -------------------------------------------------------------------------------------------------------
+def plot_steps(history: list[dict[str, StepResult]], path: str, title: str = "", max_ranks: int = 8) -> None:
+    """All planners on one time axis: per rank, its microbatches (bars with edges) and its idle time (hatched) in
+    every plotted step, one lane group per planner; vertical lines end each planner's steps."""
     import matplotlib
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    fig, axes = plt.subplots(len(res), 1, figsize=(10, 2.2 * len(res)), sharex=True, squeeze=False)
-    for ax, (name, r) in zip(axes[:, 0], res.items()):
-        x = np.arange(len(r.busy))
-        idle = r.step_time - r.busy
-        ax.bar(x, r.busy, width=1.0, color="tab:blue", label="busy")
-        ax.bar(x, idle, bottom=r.busy, width=1.0, color="tab:red", alpha=0.35, label="idle")
-        bubble = 1.0 - r.busy.sum() / (len(r.busy) * r.step_time) if r.step_time else 0.0
-        ax.set_ylabel("cost")
-        ax.set_title(f"{name} ({SYNC_MODE[name]}): bubble {bubble:.1%}", fontsize=9)
-    axes[0, 0].legend(loc="upper right", fontsize=8)
-    axes[-1, 0].set_xlabel("rank")
+    planners = list(history[0])
+    ranks = min(len(history[0][planners[0]].busy), max_ranks)
+    fig, ax = plt.subplots(figsize=(11, 0.32 * ranks * len(planners) + 1.6))
+    colours = plt.get_cmap("tab10")
+    y, yticks, ylabels = 0, [], []
+    for k, name in enumerate(planners):
+        start = 0.0
+        for res in (h[name] for h in history):
+            slot_starts = None
+            if SYNC_MODE[name] == "collective":  # slot j starts when every rank finished slot j - 1
+                slots = max((len(r) for r in res.microbatch_times), default=0)
+                ends = np.cumsum([max((r[j] for r in res.microbatch_times if j < len(r)), default=0.0)
+                                  for j in range(slots)])
+                slot_starts = np.concatenate([[0.0], ends[:-1]]) if slots else np.zeros(0)
+            split_starts, shared = None, [0] * ranks
+            if SYNC_MODE[name] == "odc-sp":  # split samples first, when their whole group is free
+                from .sp import split_schedule
+                split_starts = split_schedule(res.splits, res.microbatch_times)
+                for split in res.splits:
+                    for r in split.ranks:
+                        if r < ranks:
+                            shared[r] += 1
+            for r in range(ranks):
+                ax.barh(y + r, res.step_time, left=start, color="none", edgecolor="grey", hatch="///",
+                        linewidth=0)  # idle shows through wherever no microbatch runs
+                t = 0.0
+                for j, d in enumerate(res.microbatch_times[r]):
+                    if slot_starts is not None:
+                        t = float(slot_starts[j])
+                    if split_starts is not None:
+                        t = split_starts[r][j]
+                    ax.barh(y + r, d, left=start + t, color=colours(k), edgecolor="black", linewidth=0.4,
+                            hatch="xx" if j < shared[r] else None)
+                    t += d
+            start += res.step_time
+            ax.plot([start, start], [y - 0.5, y + ranks - 0.5], color="black", lw=1.0)
+        bubble = 1.0 - sum(float(h[name].busy.sum()) for h in history) / (len(history[0][name].busy) * start)
+        yticks.append(y + (ranks - 1) / 2)
+        ylabels.append(f"{name}\n({SYNC_MODE[name]})\nbubble {bubble:.1%}")
+        y += ranks + 1
+    ax.set_yticks(yticks, ylabels, fontsize=8)
+    ax.invert_yaxis()
+    ax.set_xlabel(f"time (cost units); bars: microbatches of ranks 0-{ranks - 1} (crossed: split samples); "
+                  "hatched: idle; lines: step ends")
     if title:
-        fig.suptitle(title, fontsize=10)
+        ax.set_title(title, fontsize=9)
     fig.tight_layout()
     fig.savefig(path, dpi=110)
     plt.close(fig)
 
 
+# -- the command line -----------------------------------------------------------------------------------------------
 def _read_lengths(path: str) -> np.ndarray:
     vals = []
     with open(path) as f:
@@ -214,6 +371,22 @@ def _read_lengths(path: str) -> np.ndarray:
     return np.asarray(vals, dtype=np.int64)
 
 
+def _model_config(spec: str) -> dict:
+    """A model config from a JSON file (e.g. a checkpoint's config.json) or the name of an example model shape."""
+    try:
+        with open(spec) as f:
+            return json.load(f)
+    except FileNotFoundError:
+        pass
+    try:
+        from ds_odc.workloads import MODEL_SHAPES  # the example's shapes (imports torch)
+    except ImportError:
+        MODEL_SHAPES = {}
+    if spec in MODEL_SHAPES:
+        return dict(MODEL_SHAPES[spec])
+    raise SystemExit(f"--model-config {spec!r}: neither a JSON file nor a known model shape {sorted(MODEL_SHAPES)}")
+
+
 def main(argv: Sequence[str] | None = None) -> int:
     ap = argparse.ArgumentParser(
         prog="python -m ds_odc.balancer.simulate",
@@ -226,10 +399,20 @@ def main(argv: Sequence[str] | None = None) -> int:
     ap.add_argument("--minibatch-size", type=int, required=True, help="samples per rank per minibatch")
     ap.add_argument("--max-tokens", type=int, required=True,
                     help="token budget per microbatch (0: no packing, one sample per microbatch)")
-    ap.add_argument("--cost", default="tokens", choices=["tokens", "quadratic", "fitted"])
-    ap.add_argument("--cost-coeffs", metavar="A,B,C", help="with --cost fitted: cost = A*L + B*L^2 + C per sample")
+    ap.add_argument("--cost", default="tokens", choices=["tokens", "quadratic", "fitted"],
+                    help="the simulated machine's cost of a sample (quadratic needs --model-config)")
+    ap.add_argument("--model-config", metavar="JSON|SHAPE",
+                    help="with --cost quadratic: the model's config.json, or a model shape of examples/sft.py "
+                         "(e.g. qwen2.5-1.5b)")
+    ap.add_argument("--cost-coeffs", metavar="A,B,C", help="with --cost fitted: A*L + B*L^2 per sample, C per "
+                                                           "microbatch")
     ap.add_argument("--microbatch-overhead", type=float, default=0.0,
-                    help="fixed cost of every microbatch, in cost units, unknown to the planners (default 0)")
+                    help="fixed cost of every microbatch on the simulated machine, in cost units (default 0)")
+    ap.add_argument("--plan-cost", default="auto", choices=PLAN_COSTS,
+                    help="what the planners plan with: auto (learned from the simulated steps, compared with the "
+                         "oracle; default), given (--cost, blind to --microbatch-overhead), oracle (the truth)")
+    ap.add_argument("--noise", type=float, default=0.0,
+                    help="with --plan-cost auto: relative noise of the busy times the fit sees (e.g. 0.05)")
     ap.add_argument("--steps", type=int, default=20)
     ap.add_argument("--in-order", action="store_true",
                     help="with --lengths: consecutive minibatches of the file in order, as a run with --no-shuffle "
@@ -238,62 +421,84 @@ def main(argv: Sequence[str] | None = None) -> int:
     ap.add_argument("--oversize", default="truncate", choices=["error", "truncate", "skip"],
                     help="samples longer than --max-tokens (default truncate; counted in the output)")
     ap.add_argument("--json", action="store_true", help="print one JSON object and nothing else")
-    ap.add_argument("--plot", help="PNG of per-rank busy/idle bars for the first step")
+    ap.add_argument("--plot", help="PNG: every planner's ranks on one time axis, microbatch by microbatch")
+    ap.add_argument("--plot-steps", type=int, default=3, help="steps drawn by --plot (default 3)")
     ap.add_argument("--split", action="store_true",
-                    help="also plan lb-mini-sp (ODC, giant samples split over groups of ranks with sequence "
-                         "parallelism); with --cost quadratic the groups follow the Qwen2.5-1.5B heads (12/2)")
+                    help="also plan lb-mini-sp (ODC; samples no rank can take alone are split over groups of ranks "
+                         "with sequence parallelism; the groups follow --model-config's attention heads)")
     ap.add_argument("--sp-efficiency", type=float, default=0.8,
                     help="with --split: a sample split g ways takes 1/(g*E) of its time per member (default 0.8)")
-    ap.add_argument("--ranks-per-node", type=int, default=8, help="with --split: largest group (default 8)")
+    ap.add_argument("--ranks-per-node", type=int, default=8, help="with --split: the largest group (default 8)")
     args = ap.parse_args(argv)
 
     source = args.preset if args.preset else _read_lengths(args.lengths)
-    split, planners = None, PLANNERS
-    if args.split:
-        from .sp import SPLIT_PLANNER, SplitPolicy
-        options = dict(efficiency=args.sp_efficiency, ranks_per_node=args.ranks_per_node)
-        split = SplitPolicy.qwen2_1_5b(**options) if args.cost == "quadratic" else SplitPolicy(**options)
-        planners = PLANNERS + (SPLIT_PLANNER,)
-    cost: "str | CostModel" = args.cost
+    cost: CostModel = TokenCost()
     if args.cost == "fitted":
         if not args.cost_coeffs:
             ap.error("--cost fitted needs --cost-coeffs A,B,C")
         a, b, c = (float(x) for x in args.cost_coeffs.split(","))
         cost = FittedCost(a=a, b=b, c=c)
+    elif args.cost == "quadratic":
+        if not args.model_config:
+            ap.error("--cost quadratic derives a*L + b*L^2 from a model's shape: add --model-config CONFIG.json "
+                     "(or a shape name such as qwen2.5-1.5b)")
+        cost = QuadraticCost.from_hf_config(_model_config(args.model_config))
+    split, planners = None, PLANNERS
+    if args.split:
+        from .sp import SPLIT_PLANNER, SplitPolicy
+        options = dict(efficiency=args.sp_efficiency, ranks_per_node=args.ranks_per_node)
+        split = (SplitPolicy.from_hf_config(_model_config(args.model_config), **options) if args.model_config
+                 else SplitPolicy(**options))
+        planners = PLANNERS + (SPLIT_PLANNER,)
     t0 = time.perf_counter()
     try:
         summary = simulate(source, ranks=args.ranks, minibatch_size=args.minibatch_size,
                            max_tokens=args.max_tokens or None, cost=cost, steps=args.steps, seed=args.seed,
                            oversize=args.oversize, keep_steps=bool(args.plot),
                            microbatch_overhead=args.microbatch_overhead, in_order=args.in_order,
-                           planners=planners, split=split)
+                           plan_cost=args.plan_cost, noise=args.noise, planners=planners, split=split)
     except ValueError as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
     history = summary.pop("_steps", None)
     if args.plot and history:
-        plot_step(history[0], args.plot,
-                  f"{args.preset or args.lengths}: R={args.ranks}, M={args.minibatch_size}, T={args.max_tokens}, "
-                  f"cost={args.cost}, step 0")
+        plot_steps(history[:max(1, args.plot_steps)], args.plot,
+                   f"{args.preset or args.lengths}: R={args.ranks}, M={args.minibatch_size}, T={args.max_tokens}, "
+                   f"cost={args.cost}, overhead={args.microbatch_overhead:g}, plans: {args.plan_cost}")
     if args.json:
         print(json.dumps(summary))
         return 0
+    _print_table(summary, args, time.perf_counter() - t0)
+    return 0
+
+
+def _print_table(summary: dict, args: argparse.Namespace, seconds: float) -> None:
     src_name = f"preset {args.preset}" if args.preset else args.lengths
     print(f"{src_name}: R={args.ranks} M={args.minibatch_size} T={args.max_tokens} cost={args.cost} "
-          f"steps={args.steps} seed={args.seed} ({time.perf_counter() - t0:.1f} s)")
-    print(f"{'planner':<11} {'sync':<10} {'bubble':>7} {'step time':>12} {'speedup':>8} {'mb/rank':>12}")
+          f"overhead={args.microbatch_overhead:g} plans={args.plan_cost} steps={args.steps} seed={args.seed} "
+          f"({seconds:.1f} s)")
+    auto = args.plan_cost == "auto"
+    print(f"{'planner':<11} {'sync':<10} {'bubble':>7} {'step time':>12} {'speedup':>8} {'mb/rank':>12}"
+          + (f" {'oracle step':>12} {'within 2% from step':>20}" if auto else ""))
     for p, s in summary.items():
-        print(f"{p:<11} {s['sync']:<10} {s['bubble_rate']:>7.2%} {s['step_time']:>12.4g} "
-              f"{s['speedup_vs_local_sort']:>7.3f}x {s['microbatches_per_rank_mean']:>5.2f} "
-              f"[{s['microbatches_per_rank_min']}-{s['microbatches_per_rank_max']}]")
+        line = (f"{p:<11} {s['sync']:<10} {s['bubble_rate']:>7.2%} {s['step_time']:>12.4g} "
+                f"{s['speedup_vs_local_sort'] or 0:>7.3f}x {s['microbatches_per_rank_mean']:>5.2f} "
+                f"[{s['microbatches_per_rank_min']}-{s['microbatches_per_rank_max']}]")
+        if auto:
+            conv = s["converged_step"]
+            line += f" {s['oracle_step_time']:>12.4g} {'never' if conv is None else conv:>20}"
+        print(line)
     any_s = next(iter(summary.values()))
+    if auto:
+        f, t = any_s["fitted"], any_s["truth"]
+        print(f"auto cost after {args.steps} steps: a={f['a']:.4g} b={f['b']:.4g} c={f['c']:.4g} per microbatch "
+              f"(truth a={t['a']:.4g} b={t['b']:.4g} c={t['c']:.4g}; fit of the {next(iter(summary))} run)")
     print(f"balance bound: step time {any_s['balance_bound_step_time']:.4g} "
           f"(bubble {any_s['balance_bound_bubble_rate']:.2%}); in {any_s['steps_with_dominant_sample']} of "
           f"{args.steps} steps one sample costs more than the fair share total/R, so no minibatch planner can "
           "balance those steps fully")
     if any_s["truncated_samples"]:
         print(f"{any_s['truncated_samples']} samples longer than --max-tokens were truncated ({args.oversize})")
-    return 0
 
 
 if __name__ == "__main__":

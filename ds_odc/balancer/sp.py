@@ -23,11 +23,13 @@ Plan, deterministically and without communication (every rank computes the same 
 
 With no sample worth splitting the plan is exactly LB-Mini's.
 
-Cost of a split sample (per member): ``cost / (g * efficiency) + exchange``, where ``efficiency`` folds everything
+Cost of a split sample (per member): ``cost / (g * efficiency) + exchange + c``, where ``efficiency`` folds everything
 that makes ``g`` ranks slower than ``1/g`` of one rank's time apart from the all-to-all bytes (smaller matmuls,
 imperfect overlap, the per-layer position gather), and ``exchange`` is each member's all-to-all traffic: per layer
 and per pass (forward, backward) the q, k, v and attention-output tensors of its ``L/g`` tokens, of which it sends
-the fraction ``(g - 1) / g``. 0.8 is the default efficiency until it is measured on several GPUs
+the fraction ``(g - 1) / g``, priced relative to the cost model's per-token term ``a`` (so it holds in any unit:
+tokens, FLOPs, seconds); ``c`` is the cost model's fixed cost of a microbatch, which every member pays
+in full. 0.8 is the default efficiency until it is measured on several GPUs
 (docs/SEQUENCE_PARALLEL.md says how).
 """
 
@@ -44,18 +46,16 @@ import numpy as np
 from .cost import CostModel, get_cost_model
 from .packing import pack
 from .partitioner import _best_exchange
-from .planners import OVERSIZE_POLICIES, Plan, plan_minibatch
+from .planners import OVERSIZE_POLICIES, Plan, effective_lengths, plan_minibatch
 
-__all__ = ["SPLIT_PLANNER", "SplitPolicy", "SplitSample", "SplitPlan", "plan_split", "split_step_time",
-           "QWEN2_1_5B_SHAPE"]
+__all__ = ["SPLIT_PLANNER", "SplitPolicy", "SplitSample", "SplitPlan", "plan_split", "split_schedule",
+           "split_step_time"]
 
 SPLIT_PLANNER = "lb-mini-sp"
 DEFAULT_EFFICIENCY = 0.8
-# Assumed H200 ratio for the default exchange cost in FLOP units: ~400 TFLOP/s achieved in bf16 training against
-# ~150 GB/s of all-to-all bandwidth per GPU inside one NVLink node. An estimate, not a measurement.
+# Assumed H200 ratio of achieved bf16 training FLOP/s (~400 T) to all-to-all bytes/s per GPU inside one NVLink node
+# (~150 G): what prices the exchange against compute. An estimate, not a measurement.
 DEFAULT_FLOPS_PER_BYTE = 400e12 / 150e9
-QWEN2_1_5B_SHAPE = {"hidden_size": 1536, "intermediate_size": 8960, "num_hidden_layers": 28, "num_attention_heads": 12,
-                    "num_key_value_heads": 2, "vocab_size": 151936}
 _MAX_EVALS_EXTRA = 64
 _MAX_PARTNERS = 16
 
@@ -73,9 +73,9 @@ class SplitPolicy:
         num_attention_heads, num_key_value_heads: the model's; Ulysses gives each member ``heads / g`` query heads,
             so ``g`` must divide them, and either divide the KV heads or be a multiple of them (KV heads are then
             replicated, as DeepSpeed's ``UlyssesSPAttentionHF`` does). ``None``: no limit from the model.
-        exchange_cost_per_token: cost units one member spends on the all-to-all traffic of one of its tokens for
-            the q and attention-output tensors (all layers, forward and backward).
-        exchange_cost_per_kv_head: the same for k and v, per KV head (replicated heads count).
+        exchange_per_token: the all-to-all time of one token's q and attention-output tensors (all layers,
+            forward and backward), as a multiple of that token's linear compute (the cost model's ``a``).
+        exchange_per_kv_head: the same for k and v, per KV head (replicated heads count).
     """
 
     efficiency: float = DEFAULT_EFFICIENCY
@@ -83,8 +83,8 @@ class SplitPolicy:
     max_group_size: int | None = None
     num_attention_heads: int | None = None
     num_key_value_heads: int | None = None
-    exchange_cost_per_token: float = 0.0
-    exchange_cost_per_kv_head: float = 0.0
+    exchange_per_token: float = 0.0
+    exchange_per_kv_head: float = 0.0
 
     def __post_init__(self):
         if not 0.0 < self.efficiency <= 1.0:
@@ -94,30 +94,27 @@ class SplitPolicy:
         heads, kv = self.num_attention_heads, self.num_key_value_heads
         if heads is not None and heads < 1 or kv is not None and kv < 1:
             raise ValueError(f"SplitPolicy: head counts must be positive, got {heads} query / {kv} KV heads")
-        if min(self.exchange_cost_per_token, self.exchange_cost_per_kv_head) < 0:
+        if min(self.exchange_per_token, self.exchange_per_kv_head) < 0:
             raise ValueError("SplitPolicy: exchange costs must be non-negative")
 
     @classmethod
     def from_hf_config(cls, config: Any, *, efficiency: float = DEFAULT_EFFICIENCY, ranks_per_node: int = 8,
                        max_group_size: int | None = None, dtype_bytes: int = 2,
-                       cost_per_byte: float = DEFAULT_FLOPS_PER_BYTE) -> "SplitPolicy":
+                       flops_per_byte: float = DEFAULT_FLOPS_PER_BYTE) -> "SplitPolicy":
         """The policy of a Hugging Face decoder config (or a dict with its keys): head limits from the config, and
-        the exchange cost of its q/k/v/output tensors at ``dtype_bytes`` per element, ``cost_per_byte`` cost units
-        per byte (the default suits the FLOP units of ``QuadraticCost.from_hf_config`` on H200s)."""
+        the exchange of its q/k/v/output tensors at ``dtype_bytes`` per element, each byte costing as much time as
+        ``flops_per_byte`` FLOPs of training compute (default: H200 estimate; ``0`` ignores the exchange)."""
+        from .cost import QuadraticCost
         get = (lambda k: config.get(k)) if isinstance(config, Mapping) else (lambda k: getattr(config, k, None))
         heads = int(get("num_attention_heads"))
         kv = int(get("num_key_value_heads") or heads)
         head_dim = int(get("head_dim") or int(get("hidden_size")) // heads)
-        per_element = 2 * int(get("num_hidden_layers")) * dtype_bytes * cost_per_byte  # forward + backward
+        token_flops = QuadraticCost.from_hf_config(config).a  # a token's linear training compute
+        per_element = 2 * int(get("num_hidden_layers")) * dtype_bytes * flops_per_byte / token_flops  # fwd + bwd
         return cls(efficiency=efficiency, ranks_per_node=ranks_per_node, max_group_size=max_group_size,
                    num_attention_heads=heads, num_key_value_heads=kv,
-                   exchange_cost_per_token=per_element * 2 * heads * head_dim,  # q and the attention output
-                   exchange_cost_per_kv_head=per_element * 2 * head_dim)  # k and v
-
-    @classmethod
-    def qwen2_1_5b(cls, **kwargs) -> "SplitPolicy":
-        """The policy matching the simulator's ``"quadratic"`` cost (Qwen2.5-1.5B shape: 12 query, 2 KV heads)."""
-        return cls.from_hf_config(QWEN2_1_5B_SHAPE, **kwargs)
+                   exchange_per_token=per_element * 2 * heads * head_dim,  # q and the attention output
+                   exchange_per_kv_head=per_element * 2 * head_dim)  # k and v
 
     def head_limit(self, g: int) -> str | None:
         """Why the model cannot be split ``g`` ways (``None`` when it can)."""
@@ -139,11 +136,12 @@ class SplitPolicy:
             g *= 2
         return tuple(sizes)
 
-    def member_cost(self, cost: Any, length: Any, g: int) -> Any:
-        """Per-member cost of a sample of ``length`` tokens and unsplit cost ``cost``, split ``g`` ways (vectorised
-        over numpy arrays)."""
+    def member_cost(self, cost: Any, length: Any, g: int, token_cost: float) -> Any:
+        """Per-member cost of a sample of ``length`` tokens whose own cost (``a*L + b*S``, without the microbatch's
+        fixed cost) is ``cost``, split ``g`` ways; ``token_cost`` is the cost model's ``a`` (vectorised over numpy
+        arrays)."""
         kv = self.num_key_value_heads or 0
-        per_token = self.exchange_cost_per_token + self.exchange_cost_per_kv_head * max(kv, g)
+        per_token = token_cost * (self.exchange_per_token + self.exchange_per_kv_head * max(kv, g))
         return cost / (g * self.efficiency) + (length / g) * ((g - 1) / g) * per_token
 
 
@@ -186,24 +184,18 @@ class SplitPlan(Plan):
         return next((s for s in self.splits if s.index == index), None)
 
     def effective_length(self, index: int, lengths: Sequence[int]) -> int:
+        """Tokens sample ``index`` actually trains (its length, or :attr:`split_limit` if it was truncated)."""
         L = int(lengths[index])
         return min(L, self.split_limit) if index in self._truncated_set else L
 
-    def _effective_lengths(self, lengths: Sequence[int]) -> np.ndarray:
-        eff = np.asarray(lengths, dtype=np.int64).reshape(-1).copy()
-        if self.truncated:
-            t = np.asarray(self.truncated, dtype=np.int64)
-            eff[t] = np.minimum(eff[t], self.split_limit)
-        return eff
-
-    def microbatch_costs(self, cost_model: "str | CostModel", lengths: Sequence[int], *args, **kwargs
-                         ) -> list[list[float]]:
+    def microbatch_costs(self, cost_model: "str | CostModel", lengths: Sequence[int],
+                         sq_lengths: Sequence[float] | None = None) -> list[list[float]]:
         """Cost of every microbatch of every rank; a split sample's microbatch costs each member its share
-        (:meth:`SplitPolicy.member_cost`)."""
+        (:meth:`SplitPolicy.member_cost`) plus the fixed cost of a microbatch."""
         cm = get_cost_model(cost_model)
-        eff = self._effective_lengths(lengths)
-        c = cm(eff) if eff.size else np.zeros(0)
-        fixed = float(getattr(cm, "per_microbatch", 0.0) or 0.0)
+        eff, sq = effective_lengths(lengths, sq_lengths, self.truncated, self.split_limit)
+        c = cm.sample_costs(eff, sq) if eff.size else np.zeros(0)
+        fixed = cm.per_microbatch
         groups = self.groups
         out = []
         for rank in self.microbatches:
@@ -211,27 +203,54 @@ class SplitPlan(Plan):
             for mb in rank:
                 if len(mb) == 1 and mb[0] in groups:
                     i = mb[0]
-                    row.append(float(self.policy.member_cost(c[i] + fixed, eff[i], len(groups[i]))))
+                    row.append(float(self.policy.member_cost(c[i], eff[i], len(groups[i]), cm.a)) + fixed)
                 else:
                     row.append(float(c[mb].sum()) + fixed if mb else 0.0)
             out.append(row)
         return out
 
+    def rank_loads(self, lengths: Sequence[int], sq_lengths: Sequence[float] | None = None
+                   ) -> tuple[np.ndarray, np.ndarray]:
+        """(tokens, sum of squared document lengths) per rank as a cost fit should see them: a member of a group
+        counts ``1 / (g * efficiency)`` of the split sample's, the share of its compute it spends (the exchange,
+        not linear in either, is left out)."""
+        eff, sq = effective_lengths(lengths, sq_lengths, self.truncated, self.split_limit)
+        tokens, squares = np.zeros(self.world_size), np.zeros(self.world_size)
+        groups = self.groups
+        for r in range(self.world_size):
+            ids = np.asarray(self.rank_samples(r), dtype=np.int64)
+            w = np.asarray([1.0 / (len(groups[i]) * self.policy.efficiency) if i in groups else 1.0
+                            for i in ids.tolist()])
+            tokens[r] = float((eff[ids] * w).sum()) if ids.size else 0.0
+            squares[r] = float((sq[ids] * w).sum()) if ids.size else 0.0
+        return tokens, squares
 
-def split_step_time(plan: Plan, mb_costs: Sequence[Sequence[float]]) -> float:
-    """Step time of a plan under ODC when split samples make their groups meet: each split sample starts once all
-    its members have finished what they ran before it, and ends when the slowest member's share is done; a rank's
-    own microbatches then run without waiting for anybody."""
-    splits = getattr(plan, "splits", ())
+
+def split_schedule(splits: Sequence[SplitSample], mb_costs: Sequence[Sequence[float]]) -> list[list[float]]:
+    """When each microbatch of each rank starts under ODC, given the microbatches' durations: a split sample (the
+    first microbatches of its members, in ``splits`` order) starts once all its members have finished what they ran
+    before it, and ends when the slowest member's share is done; a rank's own microbatches then follow without
+    waiting for anybody."""
     ready = [0.0] * len(mb_costs)
-    position = [0] * len(mb_costs)
+    starts: list[list[float]] = [[] for _ in mb_costs]
     for s in splits:
         start = max(ready[r] for r in s.ranks)
-        end = start + max(mb_costs[r][position[r]] for r in s.ranks)
+        end = start + max(mb_costs[r][len(starts[r])] for r in s.ranks)
         for r in s.ranks:
+            starts[r].append(start)
             ready[r] = end
-            position[r] += 1
-    return max((ready[r] + math.fsum(row[position[r]:]) for r, row in enumerate(mb_costs)), default=0.0)
+    for r, row in enumerate(mb_costs):
+        t = ready[r]
+        for d in row[len(starts[r]):]:
+            starts[r].append(t)
+            t += d
+    return starts
+
+
+def split_step_time(plan: Plan, mb_costs: Sequence[Sequence[float]]) -> float:
+    """Step time of a plan whose split samples make their groups meet (see :func:`split_schedule`)."""
+    starts = split_schedule(getattr(plan, "splits", ()), mb_costs)
+    return max((s[-1] + row[-1] for s, row in zip(starts, mb_costs) if row), default=0.0)
 
 
 def plan_split(
@@ -242,6 +261,7 @@ def plan_split(
     cost: "str | CostModel" = "tokens",
     oversize: str = "error",
     split: SplitPolicy | None = None,
+    sq_lengths: Sequence[float] | None = None,
 ) -> SplitPlan:
     """Plan one minibatch with ``lb-mini-sp`` (see the module docstring); arguments as
     :func:`~ds_odc.balancer.planners.plan_minibatch`, plus the :class:`SplitPolicy` (default: 0.8 efficiency, groups
@@ -258,9 +278,12 @@ def plan_split(
         raise ValueError(f"world_size must be >= 1, got {world_size}")
     if max_tokens is not None and max_tokens < 1:
         raise ValueError(f"max_tokens must be a positive int or None, got {max_tokens}")
+    cm = get_cost_model(cost)
     lens = np.asarray(lengths, dtype=np.int64).reshape(-1)
     if lens.size and lens.min() < 0:
         raise ValueError("lengths must be non-negative")
+    if sq_lengths is not None and len(sq_lengths) != lens.size:
+        raise ValueError(f"sq_lengths has {len(sq_lengths)} entries for {lens.size} samples")
     sizes = policy.group_sizes(W)
     g_max = max(sizes, default=1)
     limit = None if max_tokens is None else max_tokens * g_max
@@ -280,30 +303,29 @@ def plan_split(
                     f"sample {i} has {int(lens[i])} tokens: even {why} its slices exceed max_tokens={max_tokens}"
                     f"{more}. Raise max_tokens, allow larger groups, filter long samples out, or pass "
                     f"oversize='truncate' (train the first {limit} tokens) or oversize='skip'.")
-            lens = lens.copy()
             if oversize == "truncate":
                 truncated = tuple(over.tolist())
-                lens[over] = limit
             else:
                 skipped = tuple(over.tolist())
+    lens, sq = effective_lengths(lens, sq_lengths, truncated, limit)
 
     active = np.arange(lens.size)
     if skipped:
         active = np.setdiff1d(active, np.asarray(skipped, dtype=np.int64))
-    act_lens = lens[active]
-    cm = get_cost_model(cost)
-    costs = cm(act_lens) if active.size else np.zeros(0)
-    widths = _choose_widths(act_lens, costs, W, max_tokens, sizes, policy)
+    act_lens, act_sq = lens[active], sq[active]
+    costs = cm.sample_costs(act_lens, act_sq) if active.size else np.zeros(0)
+    fixed = cm.per_microbatch
+    widths = _choose_widths(act_lens, costs, fixed, float(cm.a), W, max_tokens, sizes, policy)
 
     common = dict(num_samples=int(active.size), num_tokens=int(act_lens.sum()), planner=SPLIT_PLANNER,
                   max_tokens=max_tokens, truncated=truncated, skipped=skipped, split_limit=limit, policy=policy)
     if not widths:  # nothing worth splitting: exactly LB-Mini (every sample fits max_tokens here)
-        base = plan_minibatch(lens[active], W, planner="lb-mini", max_tokens=max_tokens, cost=cm)
+        base = plan_minibatch(act_lens, W, planner="lb-mini", max_tokens=max_tokens, cost=cm, sq_lengths=act_sq)
         act = active.tolist()
         return SplitPlan(microbatches=[[[act[j] for j in mb] for mb in rank] for rank in base.microbatches],
                          **common)
 
-    member = {j: float(policy.member_cost(costs[j], act_lens[j], g)) for j, g in widths.items()}
+    member = {j: float(policy.member_cost(costs[j], act_lens[j], g, cm.a)) + fixed for j, g in widths.items()}
     order = sorted(widths, key=lambda j: (-member[j], j))
     ready = np.zeros(W)
     splits, first = [], [[] for _ in range(W)]
@@ -311,8 +333,9 @@ def plan_split(
         g = widths[j]
         blocks = ready[: (W // g) * g].reshape(-1, g)
         starts = blocks.max(axis=1)
-        idle = starts * g - blocks.sum(axis=1)
-        b = int(np.lexsort((np.arange(starts.size), idle, starts))[0])  # soonest, then least idle, then lowest
+        soonest = np.flatnonzero(starts == starts.min())
+        # then the least idle time before the start (ready times closest to it), then the lowest ranks
+        b = int(soonest[0] if soonest.size == 1 else soonest[np.argmin(-blocks[soonest].sum(axis=1))])
         ranks = tuple(range(b * g, (b + 1) * g))
         ready[b * g:(b + 1) * g] = starts[b] + member[j]
         splits.append(SplitSample(int(active[j]), ranks))
@@ -320,11 +343,13 @@ def plan_split(
             first[r].append([int(active[j])])
 
     rest = [j for j in range(active.size) if j not in widths]
-    shares = _balance_around([float(costs[j]) for j in rest], ready.tolist())
+    # As lb-mini counts them: a sample alone in its microbatch pays the fixed cost, a packed one its token share.
+    share = np.ones(active.size) if max_tokens is None else act_lens / max_tokens
+    shares = _balance_around([float(costs[j] + fixed * share[j]) for j in rest], ready.tolist())
     microbatches = []
     for r in range(W):
         mine = [rest[k] for k in shares[r]]
-        local = pack(mine, act_lens, max_tokens, None, cm) if mine else []
+        local = pack(mine, act_lens, max_tokens, None, cm, sq_lengths=act_sq) if mine else []
         microbatches.append(first[r] + [[int(active[j]) for j in mb] for mb in local])
     return SplitPlan(microbatches=microbatches, splits=tuple(splits), **common)
 
@@ -339,25 +364,30 @@ def _head_note(policy: SplitPolicy, W: int) -> str:
     return ""
 
 
-def _choose_widths(lens: np.ndarray, costs: np.ndarray, W: int, max_tokens: int | None, sizes: tuple[int, ...],
-                   policy: SplitPolicy) -> dict[int, int]:
-    """``{position: g}`` of the samples to split (see step 1 of the module docstring)."""
+def _choose_widths(lens: np.ndarray, costs: np.ndarray, fixed: float, a: float, W: int, max_tokens: int | None,
+                   sizes: tuple[int, ...], policy: SplitPolicy) -> dict[int, int]:
+    """``{position: g}`` of the samples to split (see step 1 of the module docstring). Costs are the samples' own;
+    every microbatch, a member's share of a split sample included, adds ``fixed``."""
     if not sizes or lens.size == 0:
         return {}
+    cost_of, length_of = costs.tolist(), lens.tolist()
+
+    def spent(j: int, g: int) -> float:  # device time a sample takes over all the ranks that train it
+        return cost_of[j] + fixed if g == 1 else g * (policy.member_cost(cost_of[j], length_of[j], g, a) + fixed)
+
     widths: dict[int, int] = {}
     if max_tokens is not None:  # too long for one microbatch: the smallest group whose slices fit
         for j in np.flatnonzero(lens > max_tokens).tolist():
             widths[j] = next(g for g in sizes if -(-int(lens[j]) // g) <= max_tokens)
-    total = float(costs.sum()) + sum(g * policy.member_cost(costs[j], lens[j], g) - costs[j]
-                                     for j, g in widths.items())
-    for j in sorted(range(lens.size), key=lambda j: (-costs[j], j)):
-        c, L, g_min = float(costs[j]), float(lens[j]), widths.get(j, 1)
+    total = float(costs.sum()) + fixed * lens.size + sum(spent(j, g) - spent(j, 1) for j, g in widths.items())
+    for j in sorted(range(lens.size), key=lambda j: (-cost_of[j], j)):
+        c, L, g_min = cost_of[j] + fixed, length_of[j], widths.get(j, 1)
         if g_min == 1 and c * W <= total:  # no heavier than the fair share: stays whole
             continue
         chosen = None
         for g in (g for g in sizes if g >= max(g_min, 2)):
-            m = float(policy.member_cost(c, L, g))
-            extra = g * m - (c if g_min == 1 else g_min * float(policy.member_cost(c, L, g_min)))
+            m = policy.member_cost(cost_of[j], L, g, a) + fixed
+            extra = spent(j, g) - spent(j, g_min)
             fair = (total + extra) / W
             if g_min == 1 and c <= fair:
                 break  # splitting would not beat leaving it whole

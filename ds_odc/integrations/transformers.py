@@ -22,7 +22,6 @@ from __future__ import annotations
 import copy
 import json
 import os
-import time
 from typing import Any
 
 import torch
@@ -32,12 +31,14 @@ from transformers.utils import logging
 
 import ds_odc
 from ds_odc.balancer.collate import PackedCollator
-from ds_odc.balancer.sampler import BalancedBatchSampler, lengths_from_dataset
+from ds_odc.balancer.sampler import BalancedBatchSampler, lengths_from_dataset, sq_lengths_from_dataset
 from ds_odc.config import odc_config_from_ds_config
+from ds_odc.balancer.checks import check_label_lengths
 from ds_odc.integrations._metrics import BalanceMeter
 from ds_odc.integrations._packs import Pack, PackBatchSampler, PackCollator, PackDataset
 from ds_odc.attention import ATTENTION_NAME
 from ds_odc.loss import DEFAULT_CHUNK_TOKENS, count_loss_tokens, use_chunked_loss
+from ds_odc.metrics import StepClock, gather_step
 
 ds_odc.patch()  # the `odc` key must parse before TrainingArguments / zero.Init read the ds_config
 
@@ -71,7 +72,9 @@ class OdcTrainer(Trainer):
             ``"lb-micro"`` / ``"local-sort"`` (same count on every rank) for comparisons.
         max_tokens_per_microbatch: token budget of one microbatch; ``None`` = one sample per microbatch.
         length_column: dataset column with the token lists (``"input_ids"``) or with precomputed lengths.
-        balancer_cost: cost model that LB-Mini balances (``"tokens"``, ``"quadratic"`` or a CostModel).
+        balancer_cost: cost model that LB-Mini balances: ``"auto"`` (default: starts from the model's shape and is
+            refitted every step from the measured busy times; its coefficients are logged as ``odc/cost_*``),
+            ``"tokens"``, ``"quadratic"`` (the model config's FLOPs) or a CostModel.
         oversize: what to do with samples longer than the budget: ``"error"``, ``"truncate"`` or ``"skip"``.
         microbatch_collator: how a microbatch (a list of samples) becomes model inputs: ``"packed"`` (one padding-free
             row, :class:`~ds_odc.balancer.collate.PackedCollator`), ``"trainer"`` (the ``data_collator``), or a
@@ -86,7 +89,7 @@ class OdcTrainer(Trainer):
 
     def __init__(self, model=None, args=None, *trainer_args, balancer_planner: str = "lb-mini",
                  max_tokens_per_microbatch: int | None = None, length_column: str = "input_ids",
-                 balancer_cost: Any = "tokens", oversize: str = "error", microbatch_collator: Any = None,
+                 balancer_cost: Any = "auto", oversize: str = "error", microbatch_collator: Any = None,
                  packed_attention: bool | None = None, loss_chunk_tokens: int | None = DEFAULT_CHUNK_TOKENS,
                  **trainer_kwargs):
         ds_odc.patch()
@@ -157,20 +160,33 @@ class OdcTrainer(Trainer):
         if isinstance(dataset, torch.utils.data.IterableDataset) or not hasattr(dataset, "__len__"):
             raise ValueError("ds_odc: LB-Mini plans whole minibatches from sample lengths, so OdcTrainer with ODC needs "
                              "a map-style train_dataset with a length column")
-        lengths = _dataset_lengths(dataset, self.odc_length_column)  # before column removal drops a length column
+        # Before column removal drops a length column; every sample is checked here, before the first step.
+        lengths, sq_lengths = _dataset_lengths(dataset, self.odc_length_column)
         if self.args.remove_unused_columns and hasattr(self, "_remove_unused_columns") and hasattr(dataset, "column_names"):
             dataset = self._remove_unused_columns(dataset, description="training")  # what the stock loader does
         seed = self.args.data_seed if self.args.data_seed is not None else self.args.seed
-        sampler = BalancedBatchSampler(lengths, world_size=self.args.world_size, rank=self.args.process_index,
-                                       minibatch_size=self.odc_samples_per_rank, seed=seed,
-                                       drop_last=True, **self.odc_balancer)
-        if len(sampler) == 0:
-            raise ValueError(f"ds_odc: the train dataset has {len(lengths)} samples, fewer than one global minibatch "
-                             f"({sampler.global_minibatch_size} = per_device_train_batch_size x "
-                             "gradient_accumulation_steps x world size)")
+        workers = self.args.dataloader_num_workers
+        # Loader workers draw minibatches ahead of training: plans then use a fit that many steps older, the same
+        # in an uninterrupted and a resumed run.
+        lag = workers * (self.args.dataloader_prefetch_factor or 2) if workers > 0 else 0
+        try:
+            sampler = BalancedBatchSampler(lengths, world_size=self.args.world_size, rank=self.args.process_index,
+                                           minibatch_size=self.odc_samples_per_rank, seed=seed, drop_last=True,
+                                           model_config=getattr(self.model, "config", None), sq_lengths=sq_lengths,
+                                           cost_lag=lag, describe_sample=lambda i: _describe_row(dataset, i),
+                                           **self.odc_balancer)
+        except ValueError as err:
+            hint = (" (here minibatch_size = per_device_train_batch_size x gradient_accumulation_steps)"
+                    if "global minibatch" in str(err) else "")
+            raise ValueError(f"ds_odc: {err}{hint}") from None
         self.odc_pack_sampler = PackBatchSampler(sampler)
         self._odc_restore_balancer()
         self.odc_meter = BalanceMeter(self.args.world_size)
+        report = sampler.data_report
+        self.odc_meter.data = {"odc/truncated_samples": float(report.truncated.size),
+                               "odc/skipped_samples": float(report.skipped.size)}
+        if report.message() and self.args.process_index == 0:
+            logger.warning(report.message())
         # Not passed through accelerator.prepare: the sampler is already rank-aware, and a sharding wrapper would
         # split the packs between ranks again. Batches move to the device in training_step (_prepare_inputs).
         return _PackLoader(
@@ -221,8 +237,8 @@ class OdcTrainer(Trainer):
         self._odc_check_position(pack)
         engine = self.model_wrapped  # the DeepSpeedEngine
         state = self.accelerator.gradient_state
-        accelerator = _accelerator()
-        started = time.perf_counter()
+        clock = StepClock()
+        clock.start()
         total = torch.zeros((), device=self.args.device)
         for mb in pack.microbatches:
             # Sync off: Accelerate then marks no boundary and does not step; ODC pushes this microbatch's gradients.
@@ -230,17 +246,20 @@ class OdcTrainer(Trainer):
             self._odc_pack_microbatch = mb
             total = total + super().training_step(model, self._odc_model_inputs(mb), num_items_in_batch)
         self._odc_pack_microbatch = None
-        accelerator.synchronize()  # GPU work is asynchronous: busy ends when it is done, not when it is queued
-        busy = time.perf_counter() - started
         state._set_sync_gradients(True)
         # The one meeting per step: every rank, with any number of microbatches (0 too), steps once at a boundary.
         engine.set_gradient_accumulation_boundary(True)
         engine.step()
-        step_time = time.perf_counter() - started
-        tokens = sum(int(mb["input_ids"].numel()) for mb in pack.microbatches if "input_ids" in mb)
-        stats = self.odc_meter.local_stats(busy, step_time, len(pack.microbatches), tokens, self.args.device)
-        gathered = self.accelerator.gather(stats) if self.args.world_size > 1 else stats
-        self.odc_meter.add(gathered, pack.num_samples, pack.num_tokens)
+        busy, step_time = clock.finish(getattr(engine.optimizer, "odc_wait_s", 0.0))
+        sampler = self.odc_pack_sampler.sampler
+        tokens, sq_tokens = sampler.load(pack.sample_ids)
+        # Every rank gets every rank's numbers: the same record, so the same cost refit and the same next plans.
+        record = gather_step(0.0, busy, step_time, len(pack.microbatches), tokens, pack.num_samples,
+                             sq_tokens=sq_tokens)
+        update = sampler.observe(record)
+        if update is not None:
+            record.cost = update.as_dict()
+        self.odc_meter.add(record)
         self._odc_position = (pack.epoch, pack.step + 1)
         return total.detach()
 
@@ -329,19 +348,37 @@ class _PackLoader(torch.utils.data.DataLoader):
         self.batch_sampler.set_epoch(epoch)
 
 
-def _accelerator():
-    from deepspeed.accelerator import get_accelerator
-    return get_accelerator()
-
-
-def _dataset_lengths(dataset, column: str) -> list[int]:
-    if hasattr(dataset, "column_names"):  # datasets.Dataset: read the column, not every row
+def _dataset_lengths(dataset, column: str):
+    """(lengths, sums of squared document lengths or None) of every sample, labels checked against input_ids."""
+    describe = lambda i: _describe_row(dataset, i)  # noqa: E731
+    if hasattr(dataset, "column_names"):  # datasets.Dataset: read the columns as Arrow, not row by row
         if column not in dataset.column_names:
             raise ValueError(f"ds_odc: length_column {column!r} is not a column of the train dataset "
                              f"({dataset.column_names})")
-        return lengths_from_dataset(dataset, column)
-    out = []
+        lengths = lengths_from_dataset(dataset, column)
+        if "labels" in dataset.column_names and column == "input_ids":
+            check_label_lengths(lengths, lengths_from_dataset(dataset, "labels"), describe)
+        sq = sq_lengths_from_dataset(dataset) if "seq_lengths" in dataset.column_names else None
+        return lengths, sq
+    lengths, labels = [], []
     for i in range(len(dataset)):
-        value = dataset[i][column]
-        out.append(int(value) if isinstance(value, int) else len(value))
-    return out
+        row = dataset[i]
+        value = row[column]
+        lengths.append(int(value) if isinstance(value, int) else len(value))
+        labels.append(len(row["labels"]) if column == "input_ids" and "labels" in row else lengths[-1])
+    check_label_lengths(lengths, labels, describe)
+    return lengths, None
+
+
+def _describe_row(dataset, index: int) -> str:
+    """``row N of the train dataset: input_ids [1, 2, 3, ...] (5 items), ...`` for error messages."""
+    row = dataset[index]
+    parts = []
+    for key, value in list(row.items())[:4] if hasattr(row, "items") else []:
+        if isinstance(value, (list, tuple)) or hasattr(value, "shape"):
+            items = list(value[:3]) if not hasattr(value, "shape") else value.reshape(-1)[:3].tolist()
+            parts.append(f"{key} {items}{' ...' if len(value) > 3 else ''} ({len(value)} items)")
+        else:
+            text = repr(value)
+            parts.append(f"{key} {text[:40]}{'...' if len(text) > 40 else ''}")
+    return f"row {index} of the train dataset" + (": " + ", ".join(parts) if parts else "")

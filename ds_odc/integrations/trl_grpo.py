@@ -39,6 +39,7 @@ from ds_odc.integrations import _rollout as rollout
 from ds_odc.integrations._metrics import BalanceMeter
 from ds_odc.integrations.generation import RESIDENCIES, is_odc_engine, lockstep_free
 from ds_odc.integrations.transformers import odc_enabled
+from ds_odc.metrics import StepClock, record_from_rows
 
 __all__ = ["OdcGRPOTrainer", "LOSS_WEIGHTS"]
 
@@ -192,7 +193,8 @@ class OdcGRPOTrainer(GRPOTrainer):
         engine = self.model_wrapped
         state = self.accelerator.gradient_state
         model.train()
-        started = time.perf_counter()
+        clock = StepClock()
+        clock.start()
         total = torch.zeros((), device=self.args.device)
         tokens = 0
         scratch = defaultdict(list)
@@ -208,13 +210,12 @@ class OdcGRPOTrainer(GRPOTrainer):
                     loss = self._odc_microbatch_loss(model, plan, ids, inputs)
                 self.accelerator.backward(loss, scale_wrt_gas=False)
                 total = total + loss.detach()
-        self._accelerator_synchronize()
-        busy = time.perf_counter() - started
         state._set_sync_gradients(True)
         # The one meeting per step: every rank, whatever its microbatch count (0 too), steps once at a boundary.
         engine.set_gradient_accumulation_boundary(True)
         engine.step()
-        step_time = time.perf_counter() - started
+        # ds_odc.metrics' busy time, as every front end counts it: the step's wall time less the wait for peers.
+        busy, step_time = clock.finish(float(getattr(engine.optimizer, "odc_wait_s", 0.0)))
         self._odc_end_of_step(scratch, busy, step_time, len(microbatches), tokens,
                               sum(len(ids) for ids in microbatches))
         return total
@@ -270,10 +271,6 @@ class OdcGRPOTrainer(GRPOTrainer):
             del accelerator.reduce, accelerator.gather
             self._metrics["train"] = metrics
 
-    def _accelerator_synchronize(self) -> None:
-        from deepspeed.accelerator import get_accelerator
-        get_accelerator().synchronize()  # busy ends when the device work is done, not when it is queued
-
     def _odc_end_of_step(self, scratch, busy, step_time, microbatches, tokens, samples) -> None:
         """At the step, where ranks meet: one all-gather of the balance numbers, one of the metric names, and one
         all-reduce of the metric sums; then per-step metrics as TRL logs them."""
@@ -284,8 +281,8 @@ class OdcGRPOTrainer(GRPOTrainer):
         local = torch.tensor([busy, step_time, microbatches, tokens, wait, gen_s, gen_tokens], dtype=torch.float64,
                              device=self.args.device)
         rows = self.accelerator.gather(local).reshape(W, _STATS).cpu()
-        self.odc_meter.add(rows[:, :4].reshape(-1), num_samples=int(self._odc_step_samples()),
-                           num_tokens=int(rows[:, 3].sum()))
+        self.odc_meter.add(record_from_rows([[0.0, b, s, m, t, 0.0] for b, s, m, t in rows[:, :4].tolist()],
+                                            num_samples=int(self._odc_step_samples())))
         self.odc_microbatch_history.append([int(x) for x in rows[:, 2]])
         window = self._odc_window
         window["steps"] += 1

@@ -32,13 +32,36 @@ def test_quadratic_from_hf_config_matches_hand_count():
     assert qc(1000) == pytest.approx(qc.a * 1000 + qc.b * 1e6)
 
 
-def test_default_quadratic_is_qwen2_1_5b():
-    assert get_cost_model("quadratic") == QuadraticCost.from_shape(**QWEN2_1_5B)
+def test_quadratic_by_name_needs_the_model_config():
+    """"quadratic" is the model's own FLOPs: without a config it is an error naming the fix, never some other
+    model's coefficients."""
+    with pytest.raises(ValueError, match="from_hf_config"):
+        get_cost_model("quadratic")
+    assert get_cost_model("quadratic", QWEN2_1_5B) == QuadraticCost.from_shape(**QWEN2_1_5B)
+    tiny = dict(QWEN2_1_5B, hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4)
+    assert get_cost_model("quadratic", tiny).a < get_cost_model("quadratic", QWEN2_1_5B).a / 100
+    with pytest.raises(ValueError, match="no hidden_size"):
+        QuadraticCost.from_hf_config({"vocab_size": 10})
+    with pytest.raises(ValueError, match="observe"):
+        get_cost_model("auto")
     assert isinstance(get_cost_model("tokens"), TokenCost)
     obj = QuadraticCost(1.0, 2.0)
     assert get_cost_model(obj) is obj
     with pytest.raises(ValueError, match="unknown cost model"):
         get_cost_model("flops!")
+
+
+def test_per_microbatch_cost_and_documents():
+    """A microbatch costs its samples' a*L + b*S plus c once; S counts a packed row's documents, so a row of one
+    64k document costs more attention than a 64k row of sixty-four 1k documents."""
+    m = FittedCost(a=2.0, b=0.5, c=100.0)
+    np.testing.assert_allclose(m.sample_costs([10, 20]), [2 * 10 + 0.5 * 100, 2 * 20 + 0.5 * 400])
+    assert m(10) == 2 * 10 + 0.5 * 100 + 100  # alone in its microbatch
+    assert m.per_microbatch == 100.0 and TokenCost().per_microbatch == 0.0
+    one, sixty_four = m.sample_costs([65536, 65536], [65536.0 ** 2, 64 * 1024.0 ** 2])
+    assert one - sixty_four == pytest.approx(0.5 * (65536 ** 2 - 64 * 1024 ** 2))
+    q = QuadraticCost.from_shape(**QWEN2_1_5B, microbatch_tokens=2048)
+    assert q.c == pytest.approx(2048 * q.a)
 
 
 def test_fitted_cost_recovers_coefficients():

@@ -66,3 +66,13 @@ def test_cli_warns_when_counts_never_vary(tmp_path, capsys):
 def test_too_few_rank_steps_is_an_error(n):
     with pytest.raises(ValueError, match="at least 4"):
         fit(np.ones((n, 5)))
+
+
+def test_cli_shows_the_runs_own_automatic_cost_next_to_the_fit(tmp_path, capsys):
+    metrics = _metrics(2e-5, 1.2e-9, 0.3, 0.5)
+    metrics["steps"][-1]["cost"] = {"a": 2.1e-5, "b": 1.1e-9, "c": 0.29, "d": 0.52, "fitted": True}
+    path = tmp_path / "run.json"
+    path.write_text(json.dumps(metrics))
+    assert main([str(path)]) == 0
+    out = capsys.readouterr().out
+    assert "automatic" in out and "0.29" in out and "0.3 " in out

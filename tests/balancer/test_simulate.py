@@ -5,7 +5,10 @@ import numpy as np
 import pytest
 
 from ds_odc.balancer.presets import PRESETS, get_preset, longtail_from_normals
-from ds_odc.balancer.simulate import main, simulate, simulate_step, step_time_of
+from hypothesis import given, settings, strategies as st
+
+from ds_odc.balancer import FittedCost
+from ds_odc.balancer.simulate import PLAN_COSTS, main, simulate, simulate_step, step_time_of
 
 
 def test_step_time_collective_vs_odc_by_hand():
@@ -64,12 +67,23 @@ def test_presets_are_in_range_and_seeded(name):
         assert 0.25 < (a > 16384).mean() < 0.35
 
 
+QWEN2_1_5B = dict(hidden_size=1536, intermediate_size=8960, num_hidden_layers=28, num_attention_heads=12,
+                  num_key_value_heads=2, vocab_size=151936)
+
+
+def _config_file(tmp_path):
+    path = tmp_path / "config.json"
+    path.write_text(json.dumps(QWEN2_1_5B))
+    return str(path)
+
+
 def test_cli_json_is_one_object(capsys, tmp_path):
     f = tmp_path / "lengths.txt"
     f.write_text("\n".join(str(x) for x in get_preset("long-sft").sample(300, seed=0)) + "\n")
     png = tmp_path / "bars.png"
     rc = main(["--lengths", str(f), "--ranks", "8", "--minibatch-size", "4", "--max-tokens", "65536",
-               "--steps", "3", "--json", "--plot", str(png), "--cost", "quadratic"])
+               "--steps", "3", "--json", "--plot", str(png), "--cost", "quadratic",
+               "--model-config", _config_file(tmp_path)])
     out = capsys.readouterr().out
     assert rc == 0
     data = json.loads(out)
@@ -80,6 +94,10 @@ def test_cli_json_is_one_object(capsys, tmp_path):
 
 
 def test_cli_text_and_errors(capsys):
+    with pytest.raises(SystemExit):
+        main(["--preset", "rl", "--ranks", "4", "--minibatch-size", "2", "--max-tokens", "8192", "--cost",
+              "quadratic"])
+    assert "--model-config" in capsys.readouterr().err
     assert main(["--preset", "rl", "--ranks", "4", "--minibatch-size", "2", "--max-tokens", "8192",
                  "--steps", "2", "--oversize", "error"]) == 2
     assert "max_tokens=8192" in capsys.readouterr().err
@@ -89,7 +107,7 @@ def test_cli_text_and_errors(capsys):
     assert "lb-mini" in out and "balance bound" in out
 
 
-def test_cli_module_entry_point_prints_only_json():
+def test_cli_module_entry_point_prints_only_json(tmp_path):
     """`python -m ds_odc.balancer.simulate --json` as a user runs it.  DS_ACCELERATOR=cpu keeps DeepSpeed's
     accelerator-detection warning (logged to stdout by `import ds_odc` on machines without a GPU) off stdout."""
     import os
@@ -99,7 +117,8 @@ def test_cli_module_entry_point_prints_only_json():
     env = dict(os.environ, DS_ACCELERATOR="cpu")
     out = subprocess.run(
         [sys.executable, "-m", "ds_odc.balancer.simulate", "--preset", "baselines-longtail", "--ranks", "2",
-         "--minibatch-size", "4", "--max-tokens", "32768", "--cost", "quadratic", "--steps", "50", "--json"],
+         "--minibatch-size", "4", "--max-tokens", "32768", "--cost", "quadratic", "--model-config",
+         _config_file(tmp_path), "--steps", "50", "--json"],
         capture_output=True, text=True, env=env, check=True,
     ).stdout
     data = json.loads(out)
@@ -145,3 +164,48 @@ def test_in_order_takes_the_file_minibatch_by_minibatch():
     assert together["lb-mini"]["step_time"] == (9000 + 2000) / 2 and apart["lb-mini"]["step_time"] == 8000
     with pytest.raises(ValueError, match="at least 4"):
         simulate([1000, 2000], ranks=2, minibatch_size=2, max_tokens=None, in_order=True)
+
+
+@settings(max_examples=60, deadline=None)
+@given(
+    lengths=st.lists(st.integers(1, 9000), min_size=1, max_size=40),
+    ranks=st.integers(1, 6),
+    max_tokens=st.sampled_from([None, 4096, 12000]),
+    overhead=st.sampled_from([0.0, 50.0, 5000.0, 1e5]),
+    plan_cost=st.sampled_from(PLAN_COSTS),
+    oversize=st.sampled_from(["truncate", "skip"]),
+    fixed=st.sampled_from([0.0, 300.0]),
+)
+def test_balance_bound_and_bubbles_are_never_negative(lengths, ranks, max_tokens, overhead, plan_cost, oversize,
+                                                       fixed):
+    """With a per-microbatch cost the planners do not know, no planner beats the bound and no bubble is negative
+    (the docs' own command once printed -114% for the bound)."""
+    res = simulate(np.array(lengths), ranks=ranks, minibatch_size=max(1, len(lengths) // ranks), max_tokens=max_tokens,
+                   cost=FittedCost(1.0, 1e-4, fixed), steps=3, seed=0, oversize=oversize,
+                   microbatch_overhead=overhead, plan_cost=plan_cost)
+    for s in res.values():
+        assert 0.0 <= s["balance_bound_bubble_rate"] < 1.0 + 1e-12
+        assert 0.0 <= s["bubble_rate"] < 1.0
+        assert s["balance_bound_step_time"] <= s["step_time"] * (1 + 1e-9) + 1e-9
+
+
+def test_auto_plans_learn_an_unknown_overhead():
+    """0.83 s per microbatch that the given cost does not know: blind lb-mini loses to lb-micro, the auto cost
+    learns the overhead within a few steps and then plans as well as the oracle."""
+    kw = dict(ranks=8, minibatch_size=4, max_tokens=None, cost=FittedCost(0.0, 1.17e-9, 0.0), steps=30, seed=0,
+              microbatch_overhead=0.83)
+    blind = simulate("baselines-longtail", plan_cost="given", **kw)
+    auto = simulate("baselines-longtail", plan_cost="auto", noise=0.03, **kw)
+    assert blind["lb-mini"]["step_time"] > blind["lb-micro"]["step_time"]
+    mini = auto["lb-mini"]
+    assert mini["converged_step"] is not None and mini["converged_step"] <= 10, mini["vs_oracle_per_step"]
+    assert max(mini["vs_oracle_per_step"][10:]) <= 1.02
+    assert mini["step_time"] < auto["lb-micro"]["step_time"]
+    assert mini["fitted"]["c"] == pytest.approx(0.83, rel=0.1) and mini["truth"]["c"] == 0.83
+
+
+def test_plot_draws_every_planner_on_one_time_axis(tmp_path):
+    png = tmp_path / "timeline.png"
+    assert main(["--preset", "baselines-longtail", "--ranks", "4", "--minibatch-size", "4", "--max-tokens", "0",
+                 "--steps", "5", "--plot", str(png), "--plot-steps", "3", "--microbatch-overhead", "2000"]) == 0
+    assert png.read_bytes()[:4] == b"\x89PNG" and png.stat().st_size > 10_000

@@ -44,7 +44,7 @@ def scenario_equivalence():
 
     odc = OdcTrainer(models["odc"], training_args(f"{tmp}/odc", odc=True, per_device_train_batch_size=per_device,
                                                   gradient_accumulation_steps=gas),
-                     train_dataset=data, max_tokens_per_microbatch=48)
+                     train_dataset=data, max_tokens_per_microbatch=48, balancer_cost="tokens")  # uneven packs
     odc.train()
 
     # The stock Trainer gets the epoch's minibatches in LB-Mini's global order, one sample per microbatch:
@@ -114,6 +114,7 @@ def scenario_resume():
     if dist.get_rank() == 0:
         emit({"full": {e["step"]: e["loss"] for e in full.state.log_history if "loss" in e},
               "resumed": by_step, "saved_state": saved, "planned": sorted(set(planned)),
+              "cost_logged": any("odc/cost_c" in e for e in full.state.log_history),
               "epochs": [full.state.epoch, resumed.state.epoch]})
 
 

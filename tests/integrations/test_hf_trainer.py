@@ -56,6 +56,8 @@ def test_resume_continues_with_the_same_losses():
     out = launch(WORKER, 2, ["resume"], timeout=240).check().result
     assert out["saved_state"]["epoch"] == 0 and out["saved_state"]["step"] == 3
     assert out["saved_state"]["planner"] == "lb-mini" and out["saved_state"]["world_size"] == 2
+    assert out["saved_state"]["auto_cost"]["observed"] == 3  # the automatic cost's fit resumes with the data order
+    assert out["cost_logged"], "odc/cost_* (the automatic cost) should reach the logs"
     full = [out["full"][str(s)] for s in (4, 5, 6)]
     resumed = [out["resumed"][str(s)] for s in (4, 5, 6)]
     assert rel_diff(resumed, full) <= 1e-6, (resumed, full)

@@ -11,6 +11,7 @@ from ds_odc.balancer.sampler import BalancedBatchSampler
 from ds_odc.integrations._metrics import BalanceMeter
 from ds_odc.integrations._packs import Pack, PackBatchSampler, PackCollator, PackDataset
 from ds_odc.loss import count_loss_tokens
+from ds_odc.metrics import bubble_rate, record_from_rows
 from ds_odc.integrations.transformers import _PackLoader
 
 LENGTHS = [5, 17, 9, 30, 4, 12, 22, 7, 15, 11, 26, 6]
@@ -65,13 +66,24 @@ def test_pack_answers_token_counting():
     assert Pack([], 0, 0, 1, 1)["input_ids"].numel() == 0
 
 
-def test_balance_meter_bubble():
+def test_balance_meter_uses_the_step_records_definition():
+    """The trainer's odc/* logs are the same numbers as examples/sft.py's metrics: one definition of busy and
+    bubble (ds_odc.metrics), time-weighted over the logging window."""
+    # step 1: rank 0 busy 1 s, rank 1 busy 0.5 s of a 1 s step; step 2: both busy 3 s of 3 s.
+    first = record_from_rows([[0.0, 1.0, 1.0, 3, 100, 4000], [0.0, 0.5, 0.9, 1, 40, 1600]], num_samples=8)
+    second = record_from_rows([[0.0, 3.0, 3.0, 2, 90, 4100], [0.0, 3.0, 3.0, 2, 95, 4500]], num_samples=8)
+    assert first.bubble_rate == pytest.approx(0.25)
     meter = BalanceMeter(2)
-    # rank 0 busy 1 s, rank 1 busy 0.5 s, step 1 s: half of rank 1's second is bubble -> 0.25.
-    meter.add(torch.tensor([1.0, 1.0, 3, 100, 0.5, 0.9, 1, 40]), num_samples=8, num_tokens=140)
+    meter.data = {"odc/truncated_samples": 2.0}
+    meter.add(first)
+    meter.add(second)
+    first.cost = {"a": 1.0, "b": 2.0, "c": 3.0, "predicted_step_s": None, "measured_step_s": 1.0}
+    second.cost = {"a": 1.5, "b": 2.5, "c": 3.5, "predicted_step_s": 2.8, "measured_step_s": 3.0}
     out = meter.summary()
-    assert out["odc/bubble"] == pytest.approx(0.25)
-    assert out["odc/samples_per_second"] == pytest.approx(8.0)
-    assert out["odc/microbatches_rank0"] == 3 and out["odc/microbatches_rank1"] == 1
+    assert out["odc/bubble"] == pytest.approx(bubble_rate([first, second])) == pytest.approx(1 - 7.5 / 8)
+    assert out["odc/samples_per_second"] == pytest.approx(16 / 4)
+    assert out["odc/microbatches_rank0"] == 2.5 and out["odc/microbatches_rank1"] == 1.5
+    assert out["odc/cost_c"] == 3.5 and out["odc/cost_predicted_busy_seconds"] == 2.8
+    assert out["odc/truncated_samples"] == 2.0
     meter.reset()
     assert meter.summary() == {}

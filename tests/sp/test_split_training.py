@@ -1,0 +1,59 @@
+"""Split samples (lb-mini-sp) trained under ZeRO-3 + ODC on CPU ranks, against one process training the same
+minibatches. Each test launches ranks through ``_support.launch.launch`` (hard timeout, short process-group timeout)
+running a scenario of ``split_worker.py``; rank 0 reports numbers, asserted here."""
+
+from pathlib import Path
+
+import pytest
+
+from _support.launch import launch
+
+WORKER = Path(__file__).with_name("split_worker.py")
+pytestmark = pytest.mark.slow
+
+
+def run(nproc, *args, timeout=240):
+    return launch(WORKER, nproc, [str(a) for a in args], timeout=timeout).check().result
+
+
+def _check_equivalence(r, world):
+    assert r["moved"] > 1e-2, r  # the steps changed the parameters: an equality after no update proves nothing
+    assert r["max_rel_diff"] < 1e-5, r
+    for got, want in zip(r["losses"], r["ref_losses"]):
+        assert abs(got - want) <= 1e-5 * abs(want), r
+    assert all(split for split in r["splits"]), r  # every step had a split sample
+    counts = r["counts"]  # per rank, microbatches per step (a split sample's slice counts as one)
+    assert any(len({counts[rank][step] for rank in range(world)}) > 1 for step in range(len(counts[0]))), counts
+
+
+def test_two_ranks_llama_split_sample_with_checkpointing():
+    """A 40-token sample split over ranks [0, 1] (one KV head: Ulysses replicates it), packed short samples around
+    it, activation checkpointing (attention recomputed over the group in the backward): 3 SGD steps."""
+    r = run(2, "train", "--model", "llama", "--checkpointing")
+    _check_equivalence(r, 2)  # measured 1.0e-7 (AVX-512, AVX2 and scalar kernels alike)
+    assert r["splits"][0] == [[0, [0, 1]]]
+
+
+def test_four_ranks_qwen2_pairs_and_a_group_of_four():
+    """Ranks [0, 1] train a split sample while ranks 2 and 3 train short ones, with different microbatch counts; in
+    the last step an 80-token sample goes to all four ranks (two KV heads replicated to four) and the 40-token one to
+    [0, 1] after it: nested groups, met in the plan's order."""
+    r = run(4, "train", "--model", "qwen2", timeout=300)
+    _check_equivalence(r, 4)  # measured 1.1e-6
+    assert r["splits"][0] == [[0, [0, 1]]]
+    assert r["splits"][2] == [[0, [0, 1, 2, 3]], [1, [0, 1]]]
+
+
+def test_absent_member_fails_its_partner_naming_it():
+    r = launch(WORKER, 2, ["member_fails", "--timeout", "6"], timeout=120, launcher="plain")
+    err = r.results[-1]
+    assert err["error_type"] == "SplitSampleError" and err["missing"] == [1] and err["group"] == [0, 1], err
+    assert "ranks [1] did not arrive" in err["error"] and "timeout_s" in err["error"], err
+    assert 5 < err["after_s"] < 30, err  # the group's timeout, not gloo's 30-minute default
+
+
+def test_dead_member_fails_its_partner_at_once():
+    r = launch(WORKER, 2, ["member_fails", "--timeout", "20", "--kill"], timeout=120, launcher="plain")
+    err = r.results[-1]
+    assert err["error_type"] == "SplitSampleError" and err["missing"] == [1], err
+    assert err["after_s"] < 15, err  # a closed connection is noticed at once, well before the 20 s timeout
