@@ -195,3 +195,26 @@ def test_fit_sees_a_members_share_of_a_split_sample():
     tokens, squares = plan.rank_loads([10, 1])
     assert sorted(tokens.tolist()) == pytest.approx(sorted([10 / 1.6, 10 / 1.6 + 1]))
     assert np.all(squares >= 100 / 1.6)
+
+
+def test_sampler_gives_each_member_its_split_samples_and_the_same_normalisers():
+    from ds_odc.balancer.sampler import BalancedBatchSampler
+    lengths = [5000] + [300] * 15 + [4500] + [200] * 15  # 8 per rank per minibatch on 4 ranks: one giant each
+    policy = SplitPolicy(num_attention_heads=4, num_key_value_heads=2)
+    samplers = [BalancedBatchSampler(lengths, world_size=4, rank=r, minibatch_size=4, max_tokens=2048,
+                                     planner="lb-mini-sp", cost="tokens", split=policy, shuffle=False)
+                for r in range(4)]
+    assert samplers[0].data_report.truncated.size == 0  # 5000 > max_tokens, but its 4 slices fit
+    for step in range(2):
+        batches = [s.minibatch(step) for s in samplers]
+        giant = 0 if step == 0 else 16
+        assert [b.splits for b in batches] == [{giant: (0, 1, 2, 3)}] * 4
+        assert all(b.microbatches[0] == [giant] for b in batches)
+        assert len({(b.num_samples, b.num_tokens) for b in batches}) == 1
+        trained = sorted(i for b in batches for mb in b.microbatches for i in mb if i != giant)
+        assert trained == [i for i in range(step * 16, step * 16 + 16) if i != giant]
+    tokens, _ = samplers[0].load(batches[0].microbatches, batches[0].splits)
+    rest = sum(lengths[i] for mb in batches[0].microbatches[1:] for i in mb)
+    assert tokens == round(4500 / (4 * 0.8) + rest)
+    with pytest.raises(ValueError, match="unknown planner"):
+        BalancedBatchSampler(lengths, world_size=4, rank=0, minibatch_size=4, max_tokens=2048, planner="lb-sp")

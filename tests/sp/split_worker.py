@@ -20,12 +20,13 @@ from ds_odc.balancer.collate import PackedCollator
 from ds_odc.balancer.sp import SplitPolicy, plan_split
 from ds_odc.distributed import shutdown_and_exit
 from ds_odc.loss import global_mean_weight, token_loss_sum
-from ds_odc.sequence_parallel import SequenceParallel, SplitSampleError, slice_loss_sum
+from ds_odc.sequence_parallel import SequenceParallel, slice_loss_sum
 
 sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", "zero"))
 from _workload import client_optimizer, ds_config, full_params, max_rel_diff  # noqa: E402
 
 VOCAB = 256
+DEVICE = torch.device("cpu")  # cuda:N when ODC_TEST_CUDA=1 (tests/gpu/test_split_gpu.py)
 MAX_TOKENS = 24  # a microbatch's budget: a 40-token sample must split over 2 ranks, an 80-token one over 4
 
 
@@ -37,8 +38,8 @@ def tiny_model(kind: str, attn: str, seed: int = 0):
                  vocab_size=VOCAB, max_position_embeddings=256, tie_word_embeddings=False, use_cache=False,
                  attn_implementation=attn)
     if kind == "llama":
-        return LlamaForCausalLM(LlamaConfig(num_key_value_heads=1, **shape))
-    return Qwen2ForCausalLM(Qwen2Config(num_key_value_heads=2, **shape))
+        return LlamaForCausalLM(LlamaConfig(num_key_value_heads=1, **shape)).to(DEVICE)
+    return Qwen2ForCausalLM(Qwen2Config(num_key_value_heads=2, **shape)).to(DEVICE)
 
 
 def minibatch(step: int, world: int) -> list[torch.Tensor]:
@@ -47,7 +48,7 @@ def minibatch(step: int, world: int) -> list[torch.Tensor]:
     g = torch.Generator().manual_seed(500 + step)
     giants = [80, 40] if world == 4 and step == 2 else [40]
     lengths = giants + torch.randint(10, 25, (3 * world,), generator=g).tolist()
-    return [torch.randint(0, VOCAB, (n,), generator=g) for n in lengths]
+    return [torch.randint(0, VOCAB, (n,), generator=g).to(DEVICE) for n in lengths]
 
 
 def policy(model) -> SplitPolicy:
@@ -88,13 +89,13 @@ def train(engine, sp: SequenceParallel, steps: int, world: int, rank: int, befor
             if mb[0] in groups:
                 if before_split is not None:
                     before_split(step)
-                piece = sp.slice(samples[mb[0]], groups[mb[0]])
+                piece = sp.slice(samples[mb[0]], groups[mb[0]], device=DEVICE)
                 with sp.run(piece):
                     logits = engine(input_ids=piece.input_ids, position_ids=piece.position_ids).logits
                     loss = slice_loss_sum(logits, piece) * weight
                     engine.backward(loss, scale_wrt_gas=False)
             else:
-                row = collate([{"input_ids": samples[i]} for i in mb])
+                row = {k: v.to(DEVICE) for k, v in collate([{"input_ids": samples[i].cpu()} for i in mb]).items()}
                 logits = engine(input_ids=row["input_ids"], position_ids=row["position_ids"]).logits
                 loss = token_loss_sum(logits, row["labels"]) * weight
                 engine.backward(loss, scale_wrt_gas=False)
@@ -128,7 +129,7 @@ def scenario_train(args):
     sp = SequenceParallel(policy(model), timeout_s=60)
     engine = build(model, timeout_s=60)
     losses, counts, splits = train(engine, sp, args.steps, world, rank)
-    totals = torch.tensor(losses, dtype=torch.float64)
+    totals = torch.tensor(losses, dtype=torch.float64, device=DEVICE)
     ds_comm.all_reduce(totals)  # each rank's share of the loss: the sum is the minibatch's mean loss
     all_counts = [None] * world
     dist.all_gather_object(all_counts, counts)
@@ -182,7 +183,17 @@ def main():
     parser.add_argument("--kill", action="store_true")
     parser.add_argument("--checkpointing", action="store_true", help="activation checkpointing (non-reentrant)")
     args = parser.parse_args()
-    init_test_ranks(timeout_s=60 if args.scenario == "train" else args.timeout * 2)
+    if os.environ.get("ODC_TEST_CUDA") == "1":  # the same scenarios on GPUs (tests/gpu/test_split_gpu.py)
+        import datetime
+
+        import deepspeed
+        global DEVICE
+        local_rank = int(os.environ.get("LOCAL_RANK", 0))
+        torch.cuda.set_device(local_rank)
+        DEVICE = torch.device("cuda", local_rank)
+        deepspeed.init_distributed(dist_backend="nccl", timeout=datetime.timedelta(seconds=120))
+    else:
+        init_test_ranks(timeout_s=60 if args.scenario == "train" else args.timeout * 2)
     globals()[f"scenario_{args.scenario}"](args)
     shutdown_and_exit()
 

@@ -2,11 +2,14 @@
 minibatches. Each test launches ranks through ``_support.launch.launch`` (hard timeout, short process-group timeout)
 running a scenario of ``split_worker.py``; rank 0 reports numbers, asserted here."""
 
+import json
+import subprocess
+import sys
 from pathlib import Path
 
 import pytest
 
-from _support.launch import launch
+from _support.launch import REPO, cpu_env, launch
 
 WORKER = Path(__file__).with_name("split_worker.py")
 pytestmark = pytest.mark.slow
@@ -57,3 +60,14 @@ def test_dead_member_fails_its_partner_at_once():
     err = r.results[-1]
     assert err["error_type"] == "SplitSampleError" and err["missing"] == [1], err
     assert err["after_s"] < 15, err  # a closed connection is noticed at once, well before the 20 s timeout
+
+
+def test_efficiency_benchmark_runs_on_cpu(tmp_path):
+    """benchmarks/split_efficiency.py at a tiny scale (the numbers mean nothing on CPU; the GPU run measures them)."""
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2",
+           str(REPO / "benchmarks" / "split_efficiency.py"), "--model", "tiny", "--lengths", "64", "--repeats", "1",
+           "--deepspeed", str(REPO / "ds_configs" / "zero3_odc_fp32_cpu.json"), "--out", str(tmp_path)]
+    proc = subprocess.run(cmd, env=cpu_env(), capture_output=True, text=True, timeout=180)
+    assert proc.returncode == 0, proc.stderr[-4000:]
+    rows = json.loads((tmp_path / "split_efficiency.json").read_text())["rows"]
+    assert rows[0]["length"] == 64 and rows[0]["alone_s"] > 0 and rows[0]["efficiency"] > 0
