@@ -137,6 +137,7 @@ class _Active:
         self.group = group
         self.ranks = ranks
         self.ulysses: dict[tuple, Any] = {}
+        self.calls = 0  # attention layers run over the group: none means the model does not use ds_odc_sp
 
     def attention(self, module, query: torch.Tensor, key: torch.Tensor):
         from deepspeed.runtime.sequence_parallel.ulysses_sp import UlyssesSPAttentionHF
@@ -170,6 +171,7 @@ def sp_attention_forward(module: torch.nn.Module, query: torch.Tensor, key: torc
                          "cu_seq_lens describe this rank's slice, not the sample the group attends over")
     if kwargs.get("position_ids") is None:
         raise ValueError("ds_odc_sp: a split sample needs position_ids (SplitSlice.position_ids) in the model call")
+    active.calls += 1
     saved = getattr(module, "num_key_value_groups", None)
     try:  # Ulysses rewrites num_key_value_groups when it replicates KV heads; this module also runs unsplit rows
         return active.attention(module, query, key)(module, query, key, value, None, **kwargs)
@@ -254,7 +256,7 @@ class SequenceParallel:
         count = self._runs.get(ranks, 0) + 1
         self._runs[ranks] = count
         self._post(ranks, count, "arrived")
-        _active = _Active(group, ranks)
+        active = _active = _Active(group, ranks)
         try:
             yield
         except RuntimeError as err:
@@ -263,6 +265,11 @@ class SequenceParallel:
             raise self._failure(ranks, count, err) from err
         finally:
             _active = None
+        if active.calls == 0:
+            raise ValueError(f"ds_odc: no attention layer ran over the group {list(ranks)} inside "
+                             "SequenceParallel.run, so each rank attended over its own slice only. Build the model "
+                             f"with attn_implementation=\"{ATTENTION_NAME}\" (import ds_odc.sequence_parallel first) "
+                             "and run its forward inside run()")
         self._post(ranks, count, "done")
 
     # -- naming who is missing -------------------------------------------------------------------------------------

@@ -19,7 +19,7 @@ from _support.launch import emit, init_test_ranks
 from ds_odc.balancer.collate import PackedCollator
 from ds_odc.balancer.sp import SplitPolicy, plan_split
 from ds_odc.distributed import shutdown_and_exit
-from ds_odc.loss import global_mean_weight, token_loss_sum
+from ds_odc.loss import global_mean_weight, token_loss_sum, use_chunked_loss
 from ds_odc.sequence_parallel import SequenceParallel, slice_loss_sum
 
 sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", "zero"))
@@ -75,7 +75,9 @@ def reference(model, steps: int, world: int):
     return model, losses
 
 
-def train(engine, sp: SequenceParallel, steps: int, world: int, rank: int, before_split=None):
+def train(engine, sp: SequenceParallel, steps: int, world: int, rank: int, before_split=None, chunked=False):
+    """``chunked``: the model computes its loss (use_chunked_loss) from ``shift_labels`` / ``labels`` and
+    ``num_items_in_batch``, as docs/SEQUENCE_PARALLEL.md shows; else the loss comes from the logits here."""
     collate = PackedCollator(return_flash_attn_kwargs=False)
     losses, counts, splits = [], [], []
     for step in range(steps):
@@ -91,13 +93,21 @@ def train(engine, sp: SequenceParallel, steps: int, world: int, rank: int, befor
                     before_split(step)
                 piece = sp.slice(samples[mb[0]], groups[mb[0]], device=DEVICE)
                 with sp.run(piece):
-                    logits = engine(input_ids=piece.input_ids, position_ids=piece.position_ids).logits
-                    loss = slice_loss_sum(logits, piece) * weight
+                    if chunked:
+                        loss = engine(input_ids=piece.input_ids, position_ids=piece.position_ids,
+                                      shift_labels=piece.shift_labels, num_items_in_batch=1 / weight).loss
+                    else:
+                        logits = engine(input_ids=piece.input_ids, position_ids=piece.position_ids).logits
+                        loss = slice_loss_sum(logits, piece) * weight
                     engine.backward(loss, scale_wrt_gas=False)
             else:
                 row = {k: v.to(DEVICE) for k, v in collate([{"input_ids": samples[i].cpu()} for i in mb]).items()}
-                logits = engine(input_ids=row["input_ids"], position_ids=row["position_ids"]).logits
-                loss = token_loss_sum(logits, row["labels"]) * weight
+                if chunked:
+                    loss = engine(input_ids=row["input_ids"], position_ids=row["position_ids"], labels=row["labels"],
+                                  num_items_in_batch=1 / weight).loss
+                else:
+                    logits = engine(input_ids=row["input_ids"], position_ids=row["position_ids"]).logits
+                    loss = token_loss_sum(logits, row["labels"]) * weight
                 engine.backward(loss, scale_wrt_gas=False)
             local += loss.item() / world
         engine.step()
@@ -126,9 +136,12 @@ def scenario_train(args):
     ref_model, ref_losses = reference(tiny_model(args.model, "eager"), args.steps, world)
     if args.checkpointing:  # attention is recomputed in the backward, which must still run over the group
         model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+    if args.chunked_loss:
+        use_chunked_loss(model, chunk_tokens=7)  # several chunks per slice
     sp = SequenceParallel(policy(model), timeout_s=60)
+    refused = refusal_of_a_model_without_ds_odc_sp(sp, world) if world == 2 else None
     engine = build(model, timeout_s=60)
-    losses, counts, splits = train(engine, sp, args.steps, world, rank)
+    losses, counts, splits = train(engine, sp, args.steps, world, rank, chunked=args.chunked_loss)
     totals = torch.tensor(losses, dtype=torch.float64, device=DEVICE)
     ds_comm.all_reduce(totals)  # each rank's share of the loss: the sum is the minibatch's mean loss
     all_counts = [None] * world
@@ -137,7 +150,19 @@ def scenario_train(args):
     if rank == 0:
         emit({"max_rel_diff": max_rel_diff(params, full_params(ref_model)), "losses": totals.tolist(),
               "ref_losses": ref_losses, "counts": all_counts, "splits": splits,
-              "moved": _moved(params, full_params(tiny_model(args.model, "eager")))})
+              "moved": _moved(params, full_params(tiny_model(args.model, "eager"))), "refused": refused})
+
+
+def refusal_of_a_model_without_ds_odc_sp(sp: SequenceParallel, world: int) -> str | None:
+    """A split sample through a model whose attention is not ds_odc_sp would attend within each slice only."""
+    eager = tiny_model("llama", "eager")
+    piece = sp.slice(minibatch(0, world)[0], (0, 1), device=DEVICE)
+    try:
+        with sp.run(piece):
+            eager(input_ids=piece.input_ids, position_ids=piece.position_ids)
+    except ValueError as err:
+        return str(err)
+    return None
 
 
 def _moved(after: dict, before: dict) -> float:
@@ -182,6 +207,7 @@ def main():
     parser.add_argument("--timeout", type=float, default=6.0)
     parser.add_argument("--kill", action="store_true")
     parser.add_argument("--checkpointing", action="store_true", help="activation checkpointing (non-reentrant)")
+    parser.add_argument("--chunked-loss", action="store_true", help="the model's chunked loss (use_chunked_loss)")
     args = parser.parse_args()
     if os.environ.get("ODC_TEST_CUDA") == "1":  # the same scenarios on GPUs (tests/gpu/test_split_gpu.py)
         import datetime

@@ -29,12 +29,14 @@ def _check_equivalence(r, world):
     assert any(len({counts[rank][step] for rank in range(world)}) > 1 for step in range(len(counts[0]))), counts
 
 
-def test_two_ranks_llama_split_sample_with_checkpointing():
+def test_two_ranks_llama_split_sample_with_checkpointing_and_chunked_loss():
     """A 40-token sample split over ranks [0, 1] (one KV head: Ulysses replicates it), packed short samples around
-    it, activation checkpointing (attention recomputed over the group in the backward): 3 SGD steps."""
-    r = run(2, "train", "--model", "llama", "--checkpointing")
+    it, activation checkpointing (attention recomputed over the group in the backward), the model's chunked loss
+    from shift_labels and num_items_in_batch (docs/SEQUENCE_PARALLEL.md's loop): 3 SGD steps."""
+    r = run(2, "train", "--model", "llama", "--checkpointing", "--chunked-loss")
     _check_equivalence(r, 2)  # measured 1.0e-7 (AVX-512, AVX2 and scalar kernels alike)
     assert r["splits"][0] == [[0, [0, 1]]]
+    assert "no attention layer ran over the group [0, 1]" in r["refused"] and "ds_odc_sp" in r["refused"], r
 
 
 def test_four_ranks_qwen2_pairs_and_a_group_of_four():
