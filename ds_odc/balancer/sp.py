@@ -36,8 +36,6 @@ in full. 0.8 is the default efficiency until it is measured on several GPUs
 from __future__ import annotations
 
 import heapq
-import math
-from bisect import bisect_left, insort
 from dataclasses import dataclass, field
 from typing import Any, Mapping, Sequence
 
@@ -45,8 +43,8 @@ import numpy as np
 
 from .cost import CostModel, get_cost_model
 from .packing import pack
-from .partitioner import _best_exchange
-from .planners import OVERSIZE_POLICIES, Plan, effective_lengths, plan_minibatch
+from .partitioner import _local_search
+from .planners import Plan, checked_minibatch, effective_lengths, plan_minibatch
 
 __all__ = ["SPLIT_PLANNER", "SplitPolicy", "SplitSample", "SplitPlan", "plan_split", "split_schedule",
            "split_step_time"]
@@ -271,43 +269,15 @@ def plan_split(
     times the largest allowed group size is trained whole; ``oversize`` applies beyond that.
     """
     policy = split or SplitPolicy()
-    if oversize not in OVERSIZE_POLICIES:
-        raise ValueError(f"unknown oversize policy {oversize!r}; choose one of {OVERSIZE_POLICIES}")
-    W = int(world_size)
-    if W < 1:
-        raise ValueError(f"world_size must be >= 1, got {world_size}")
-    if max_tokens is not None and max_tokens < 1:
-        raise ValueError(f"max_tokens must be a positive int or None, got {max_tokens}")
-    cm = get_cost_model(cost)
-    lens = np.asarray(lengths, dtype=np.int64).reshape(-1)
-    if lens.size and lens.min() < 0:
-        raise ValueError("lengths must be non-negative")
-    if sq_lengths is not None and len(sq_lengths) != lens.size:
-        raise ValueError(f"sq_lengths has {len(sq_lengths)} entries for {lens.size} samples")
-    sizes = policy.group_sizes(W)
+    sizes = policy.group_sizes(int(world_size))
     g_max = max(sizes, default=1)
     limit = None if max_tokens is None else max_tokens * g_max
-
-    truncated: tuple[int, ...] = ()
-    skipped: tuple[int, ...] = ()
-    if limit is not None:
-        over = np.flatnonzero(lens > limit)
-        if over.size:
-            if oversize == "error":
-                i = int(over[0])
-                more = f" ({over.size} samples in total, e.g. {over[:5].tolist()})" if over.size > 1 else ""
-                why = (f"split over at most {g_max} ranks (world size {W}, ranks_per_node {policy.ranks_per_node}"
-                       + (f", max_group_size {policy.max_group_size}" if policy.max_group_size else "")
-                       + _head_note(policy, W) + ")")
-                raise ValueError(
-                    f"sample {i} has {int(lens[i])} tokens: even {why} its slices exceed max_tokens={max_tokens}"
-                    f"{more}. Raise max_tokens, allow larger groups, filter long samples out, or pass "
-                    f"oversize='truncate' (train the first {limit} tokens) or oversize='skip'.")
-            if oversize == "truncate":
-                truncated = tuple(over.tolist())
-            else:
-                skipped = tuple(over.tolist())
-    lens, sq = effective_lengths(lens, sq_lengths, truncated, limit)
+    why = (f"so even split over at most {g_max} ranks (world size {world_size}, ranks_per_node "
+           f"{policy.ranks_per_node}" + (f", max_group_size {policy.max_group_size}" if policy.max_group_size else "")
+           + f"{_head_note(policy, int(world_size))}) its slices exceed max_tokens={max_tokens}; allowing larger "
+           "groups is another way out")
+    W, cm, lens, sq, truncated, skipped = checked_minibatch(lengths, world_size, max_tokens, cost, oversize,
+                                                            sq_lengths, limit, why)
 
     active = np.arange(lens.size)
     if skipped:
@@ -402,8 +372,8 @@ def _choose_widths(lens: np.ndarray, costs: np.ndarray, fixed: float, a: float, 
 
 def _balance_around(costs: list[float], base: list[float]) -> list[list[int]]:
     """Assign items to ``len(base)`` bins whose loads start at ``base``, evening out the loads: greedy LPT from the
-    base loads, then the exchange search of :mod:`~ds_odc.balancer.partitioner` (moves and swaps between the
-    heaviest bin and the lightest ones) with the base loads held fixed. Deterministic (ties by index)."""
+    base loads, then the partitioner's exchange search (moves and swaps between the heaviest bin and the lightest
+    ones) with the base loads held fixed. Deterministic (ties by index)."""
     k = len(base)
     heap = [(float(b), r) for r, b in enumerate(base)]
     heapq.heapify(heap)
@@ -412,41 +382,6 @@ def _balance_around(costs: list[float], base: list[float]) -> list[list[int]]:
         load, r = heapq.heappop(heap)
         items[r].append(i)
         heapq.heappush(heap, (load + costs[i], r))
-    icost = [sorted(costs[i] for i in b) for b in items]
-    items = [sorted(b, key=lambda i: (costs[i], i)) for b in items]
-    loads = [base[r] + math.fsum(icost[r]) for r in range(k)]
-    order = sorted((s, r) for r, s in enumerate(loads))
-    evals, max_evals = 0, 2 * k + _MAX_EVALS_EXTRA
-    while evals < max_evals:
-        top, h = order[-1]
-        tol = 1e-12 * top
-        hit = None
-        for s_p, p in order[:_MAX_PARTNERS]:
-            gap = top - s_p
-            if gap <= tol or evals >= max_evals:
-                break
-            evals += 1
-            hit = _best_exchange(icost[h], icost[p], gap, tol, True)
-            if hit is not None:
-                break
-        if hit is None:
-            break
-        ja, jb = hit
-        a, ca = items[h].pop(ja), icost[h].pop(ja)
-        d = ca
-        if jb is not None:
-            b, cb = items[p].pop(jb), icost[p].pop(jb)
-            d -= cb
-            _insert(items[h], icost[h], b, cb)
-        _insert(items[p], icost[p], a, ca)
-        for key in ((top, h), (s_p, p)):
-            del order[bisect_left(order, key)]
-        insort(order, (top - d, h))
-        insort(order, (s_p + d, p))
+    _local_search(items, costs, allow_moves=True, max_evals=2 * k + _MAX_EVALS_EXTRA, max_partners=_MAX_PARTNERS,
+                  base=base)
     return [sorted(b) for b in items]
-
-
-def _insert(items: list[int], costs: list[float], x: int, cx: float) -> None:
-    j = bisect_left(costs, cx)
-    items.insert(j, x)
-    costs.insert(j, cx)

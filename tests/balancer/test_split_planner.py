@@ -102,7 +102,7 @@ def test_samples_longer_than_max_tokens_split_so_every_slice_fits():
     plan = plan_split([5000] + [1000] * 20, 8, max_tokens=2048, cost="tokens")
     assert plan.groups == {0: (0, 1, 2, 3)}  # 5000 / 2 > 2048, 5000 / 4 <= 2048, and 4 ways fit the fair share
     assert plan_split([5000, 100, 100, 100], 8, max_tokens=2048, cost="tokens").groups[0] == tuple(range(8))
-    with pytest.raises(ValueError, match=r"sample 0 has 20000 tokens: even split over at most 8 ranks"):
+    with pytest.raises(ValueError, match=r"sample 0 has 20000 tokens, so even split over at most 8 ranks"):
         plan_split([20000, 100], 8, max_tokens=2048)
     cut = plan_split([20000, 100], 8, max_tokens=2048, oversize="truncate")
     assert cut.truncated == (0,) and cut.effective_length(0, [20000, 100]) == 8 * 2048
