@@ -233,8 +233,10 @@ def _local_search(
     allow_moves: bool,
     max_evals: int,
     max_partners: int,
+    base: Sequence[float] | None = None,
 ) -> int:
-    """Improve ``bins`` in place; returns the number of exchanges applied.
+    """Improve ``bins`` in place; returns the number of exchanges applied. ``base``: load each bin carries besides its
+    items (work assigned elsewhere, e.g. split samples), counted in the balance but never moved.
 
     State: per bin its items and their costs, both sorted by cost (for bisection), and ``order``, the bins sorted
     by (sum, bin id), updated by bisection after each exchange: a step costs O(k) memmove at worst, no sort.
@@ -246,7 +248,7 @@ def _local_search(
         srt = sorted(b, key=c.__getitem__)
         items.append(srt)
         icost.append([c[i] for i in srt])
-    sums = [math.fsum(cs) for cs in icost]
+    sums = [math.fsum(cs) + (base[b] if base is not None else 0.0) for b, cs in enumerate(icost)]
     order = sorted((s, b) for b, s in enumerate(sums))
     steps = evals = 0
     while evals < max_evals:

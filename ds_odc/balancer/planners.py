@@ -127,6 +127,49 @@ def effective_lengths(lengths: Sequence[int], sq_lengths: Sequence[float] | None
     return lens, sq
 
 
+def checked_minibatch(lengths: Sequence[int], world_size: int, max_tokens: int | None, cost: "str | CostModel",
+                      oversize: str, sq_lengths: Sequence[float] | None, limit: int | None = None,
+                      too_long: str | None = None):
+    """A planner's checked inputs: ``(W, cost model, lengths, squared lengths, truncated, skipped)``, the lengths as
+    trained. Samples longer than ``limit`` (default ``max_tokens``) get the ``oversize`` policy; ``too_long`` says why
+    such a sample cannot be trained whole, in the error (default: it exceeds ``max_tokens``)."""
+    if oversize not in OVERSIZE_POLICIES:
+        raise ValueError(f"unknown oversize policy {oversize!r}; choose one of {OVERSIZE_POLICIES}")
+    W = int(world_size)
+    if W < 1:
+        raise ValueError(f"world_size must be >= 1, got {world_size}")
+    if max_tokens is not None and max_tokens < 1:
+        raise ValueError(f"max_tokens must be a positive int or None, got {max_tokens}")
+    cm = get_cost_model(cost)
+    lens = np.asarray(lengths, dtype=np.int64).reshape(-1)
+    if lens.size and lens.min() < 0:
+        raise ValueError("lengths must be non-negative")
+    if sq_lengths is not None and len(sq_lengths) != lens.size:
+        raise ValueError(f"sq_lengths has {len(sq_lengths)} entries for {lens.size} samples")
+    limit = max_tokens if limit is None else limit
+
+    truncated: tuple[int, ...] = ()
+    skipped: tuple[int, ...] = ()
+    if limit is not None:
+        over = np.flatnonzero(lens > limit)
+        if over.size:
+            if oversize == "error":
+                i = int(over[0])
+                more = f" ({over.size} samples in total, e.g. {over[:5].tolist()})" if over.size > 1 else ""
+                raise ValueError(
+                    f"sample {i} has {int(lens[i])} tokens, {too_long or f'more than max_tokens={max_tokens}'}"
+                    f"{more}. Raise max_tokens, filter long samples out of the dataset, or pass oversize='truncate' "
+                    f"(train the first {limit} tokens) or oversize='skip' (leave them out; they are listed in "
+                    "Plan.skipped)."
+                )
+            if oversize == "truncate":
+                truncated = tuple(over.tolist())
+            else:
+                skipped = tuple(over.tolist())
+    lens, sq = effective_lengths(lens, sq_lengths, truncated, limit)
+    return W, cm, lens, sq, truncated, skipped
+
+
 def plan_minibatch(
     lengths: Sequence[int],
     world_size: int,
@@ -136,6 +179,7 @@ def plan_minibatch(
     cost: "str | CostModel" = "tokens",
     oversize: str = "error",
     sq_lengths: Sequence[float] | None = None,
+    split: "SplitPolicy | None" = None,
 ) -> Plan:
     """Plan one minibatch of samples with token counts ``lengths`` over ``world_size`` ranks.
 
@@ -152,41 +196,17 @@ def plan_minibatch(
             listed in ``Plan.skipped``).
         sq_lengths: per sample, the sum of its documents' squared lengths (a row packing several documents costs
             attention per document); ``None``: one document per sample.
+        split: with ``planner="lb-mini-sp"`` (LB-Mini plus sequence parallelism for giant samples, ODC only), how
+            samples may be split: a :class:`~ds_odc.balancer.sp.SplitPolicy` (see ``ds_odc.balancer.sp``).
     """
+    if planner == "lb-mini-sp":  # samples no rank can take alone go to groups of ranks (balancer/sp.py)
+        from .sp import plan_split
+        return plan_split(lengths, world_size, max_tokens=max_tokens, cost=cost, oversize=oversize, split=split,
+                          sq_lengths=sq_lengths)
     if planner not in PLANNERS:
         raise ValueError(f"unknown planner {planner!r}; choose one of {PLANNERS}")
-    if oversize not in OVERSIZE_POLICIES:
-        raise ValueError(f"unknown oversize policy {oversize!r}; choose one of {OVERSIZE_POLICIES}")
-    W = int(world_size)
-    if W < 1:
-        raise ValueError(f"world_size must be >= 1, got {world_size}")
-    if max_tokens is not None and max_tokens < 1:
-        raise ValueError(f"max_tokens must be a positive int or None, got {max_tokens}")
-    cm = get_cost_model(cost)
-    lens = np.asarray(lengths, dtype=np.int64).reshape(-1)
-    if lens.size and lens.min() < 0:
-        raise ValueError("lengths must be non-negative")
-    if sq_lengths is not None and len(sq_lengths) != lens.size:
-        raise ValueError(f"sq_lengths has {len(sq_lengths)} entries for {lens.size} samples")
-
-    truncated: tuple[int, ...] = ()
-    skipped: tuple[int, ...] = ()
-    if max_tokens is not None:
-        over = np.flatnonzero(lens > max_tokens)
-        if over.size:
-            if oversize == "error":
-                i = int(over[0])
-                more = f" ({over.size} samples in total, e.g. {over[:5].tolist()})" if over.size > 1 else ""
-                raise ValueError(
-                    f"sample {i} has {int(lens[i])} tokens, more than max_tokens={max_tokens}{more}. Raise "
-                    "max_tokens, filter long samples out of the dataset, or pass oversize='truncate' (train the "
-                    "first max_tokens tokens) or oversize='skip' (leave them out; they are listed in Plan.skipped)."
-                )
-            if oversize == "truncate":
-                truncated = tuple(over.tolist())
-            else:
-                skipped = tuple(over.tolist())
-    lens, sq = effective_lengths(lens, sq_lengths, truncated, max_tokens)
+    W, cm, lens, sq, truncated, skipped = checked_minibatch(lengths, world_size, max_tokens, cost, oversize,
+                                                            sq_lengths)
 
     active = np.arange(lens.size)
     if skipped:

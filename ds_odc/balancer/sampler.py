@@ -31,8 +31,8 @@ Typical loop::
 from __future__ import annotations
 
 import logging
-from dataclasses import dataclass
-from typing import Any, Callable, Iterator, Sequence
+from dataclasses import dataclass, field
+from typing import Any, Callable, Iterator, Mapping, Sequence
 
 import numpy as np
 
@@ -62,6 +62,9 @@ class RankBatch:
         truncated: dataset indices (whole minibatch) that were truncated to ``max_tokens``.
         skipped: dataset indices (whole minibatch) that were left out (always empty from the sampler, which
             leaves ``oversize="skip"`` samples out of every epoch up front).
+        splits: ``planner="lb-mini-sp"``: ``{dataset index: ranks}`` of the split samples among this rank's
+            microbatches (each alone in its microbatch); train this rank's slice of them with
+            :class:`ds_odc.sequence_parallel.SequenceParallel`.
     """
 
     microbatches: list[list[int]]
@@ -71,6 +74,7 @@ class RankBatch:
     epoch: int = 0
     truncated: tuple[int, ...] = ()
     skipped: tuple[int, ...] = ()
+    splits: dict[int, tuple[int, ...]] = field(default_factory=dict)
 
     @property
     def num_label_tokens(self) -> int:
@@ -96,7 +100,8 @@ class BalancedBatchSampler:
         world_size, rank: plain ints (no ``torch.distributed`` needed).
         minibatch_size: samples *per rank* per minibatch; a global minibatch holds ``minibatch_size * world_size``.
         max_tokens: token budget per microbatch (``None``: one sample per microbatch).
-        planner: ``"lb-mini"`` (ODC), ``"lb-micro"`` or ``"local-sort"`` (collective-compatible).
+        planner: ``"lb-mini"`` (ODC), ``"lb-micro"`` or ``"local-sort"`` (collective-compatible), or
+            ``"lb-mini-sp"`` (ODC, samples no rank can take alone split over groups of ranks; see ``split``).
         cost: ``"auto"`` (default: learned from :meth:`observe`), ``"tokens"``, ``"quadratic"`` (needs
             ``model_config``) or a :class:`~ds_odc.balancer.cost.CostModel`.
         model_config: the model's (Hugging Face) config: the shape ``"auto"`` starts from and ``"quadratic"`` uses.
@@ -112,6 +117,9 @@ class BalancedBatchSampler:
             :mod:`ds_odc.balancer.autocost`).
         describe_sample: ``index -> str``, a few words about a sample for error messages (e.g. its dataset row).
         auto_cost: keyword arguments of :class:`~ds_odc.balancer.autocost.AutoCost` (window, warmup_steps, ...).
+        split: with ``planner="lb-mini-sp"``, the :class:`~ds_odc.balancer.sp.SplitPolicy` (e.g.
+            ``SplitPolicy.from_hf_config(model.config)``); samples up to ``max_tokens`` times its largest group
+            are trained, ``oversize`` applies beyond.
     """
 
     def __init__(
@@ -133,19 +141,27 @@ class BalancedBatchSampler:
         cost_lag: int = 0,
         describe_sample: Callable[[int], str] | None = None,
         auto_cost: dict | None = None,
+        split: "SplitPolicy | None" = None,
     ) -> None:
         if world_size < 1 or not 0 <= rank < world_size:
             raise ValueError(f"need 0 <= rank < world_size, got rank={rank}, world_size={world_size}")
         if minibatch_size < 1:
             raise ValueError(f"minibatch_size must be >= 1, got {minibatch_size}")
-        if planner not in PLANNERS:
-            raise ValueError(f"unknown planner {planner!r}; choose one of {PLANNERS}")
+        if planner not in PLANNERS + ("lb-mini-sp",):
+            raise ValueError(f"unknown planner {planner!r}; choose one of {PLANNERS + ('lb-mini-sp',)}")
         if oversize not in OVERSIZE_POLICIES:
             raise ValueError(f"unknown oversize policy {oversize!r}; choose one of {OVERSIZE_POLICIES}")
         if max_tokens is not None and max_tokens < 1:
             raise ValueError(f"max_tokens must be a positive int or None, got {max_tokens}")
+        self.split = None
+        self.token_limit = max_tokens  # the longest sample trained whole
+        if planner == "lb-mini-sp":
+            from .sp import SplitPolicy
+            self.split = split or SplitPolicy()
+            if max_tokens is not None:
+                self.token_limit = max_tokens * max(self.split.group_sizes(world_size), default=1)
         self.lengths = np.asarray(lengths).reshape(-1)
-        self.data_report: DataReport = check_lengths(self.lengths, max_tokens, oversize, describe_sample)
+        self.data_report: DataReport = check_lengths(self.lengths, self.token_limit, oversize, describe_sample)
         self.lengths = self.lengths.astype(np.int64, copy=False)
         self.sq_lengths = None if sq_lengths is None else np.asarray(sq_lengths, dtype=np.float64).reshape(-1)
         if self.sq_lengths is not None and self.sq_lengths.size != self.lengths.size:
@@ -226,8 +242,10 @@ class BalancedBatchSampler:
             cost=self.cost_for(step, e),
             oversize=self.oversize,
             sq_lengths=None if self.sq_lengths is None else self.sq_lengths[ids],
+            **({"split": self.split} if self.split is not None else {}),
         )
         ids_l = ids.tolist()
+        groups = getattr(plan, "groups", {})
         return RankBatch(
             microbatches=[[ids_l[j] for j in mb] for mb in plan.microbatches[self.rank]],
             num_samples=plan.num_samples,
@@ -236,6 +254,7 @@ class BalancedBatchSampler:
             epoch=e,
             truncated=tuple(ids_l[j] for j in plan.truncated),
             skipped=tuple(ids_l[j] for j in plan.skipped),
+            splits={ids_l[j]: groups[j] for mb in plan.microbatches[self.rank] for j in mb if j in groups},
         )
 
     def __iter__(self) -> Iterator[RankBatch]:
@@ -250,16 +269,23 @@ class BalancedBatchSampler:
             yield batch
         self._step = 0
 
-    def load(self, microbatches: Sequence[Sequence[int]]) -> tuple[int, float]:
+    def load(self, microbatches: Sequence[Sequence[int]],
+             splits: Mapping[int, Sequence[int]] | None = None) -> tuple[int, float]:
         """(tokens, sum of squared document lengths) that these microbatches of dataset indices train, as the
-        planner counts them (truncated samples at ``max_tokens``): what a rank reports to :meth:`observe`."""
+        planner counts them (truncated samples at ``max_tokens``): what a rank reports to :meth:`observe`. With
+        ``lb-mini-sp`` pass ``batch.splits``: a member counts ``1 / (g * efficiency)`` of a split sample, the share
+        of its compute it spends."""
         ids = np.asarray([i for mb in microbatches for i in mb], dtype=np.int64)
         if ids.size == 0:
             return 0, 0.0
         lens = self.lengths[ids]
-        truncated = np.flatnonzero(lens > self.max_tokens) if self.max_tokens is not None else ()
-        eff, sq = effective_lengths(lens, None if self.sq_lengths is None else self.sq_lengths[ids], truncated,
-                                    self.max_tokens)
+        limit = self.token_limit
+        truncated = np.flatnonzero(lens > limit) if limit is not None else ()
+        eff, sq = effective_lengths(lens, None if self.sq_lengths is None else self.sq_lengths[ids], truncated, limit)
+        if splits:
+            share = np.asarray([1.0 / (len(splits[i]) * self.split.efficiency) if i in splits else 1.0
+                                for i in ids.tolist()])
+            return int(round(float((eff * share).sum()))), float((sq * share).sum())
         return int(eff.sum()), float(sq.sum())
 
     # -- the automatic cost ------------------------------------------------------------------------------------------

@@ -48,7 +48,7 @@ from .presets import PRESETS, get_preset
 
 __all__ = ["SYNC_MODE", "PLAN_COSTS", "StepResult", "Machine", "simulate_step", "simulate", "main"]
 
-SYNC_MODE = {"local-sort": "collective", "lb-micro": "collective", "lb-mini": "odc"}
+SYNC_MODE = {"local-sort": "collective", "lb-micro": "collective", "lb-mini": "odc", "lb-mini-sp": "odc-sp"}
 PLAN_COSTS = ("auto", "given", "oracle")
 CONVERGED = 0.02  # auto plans count as converged once their step times stay within 2% of the oracle's (or below)
 CONVERGED_WINDOW = 5
@@ -79,10 +79,15 @@ class StepResult:
     microbatch_times: tuple[tuple[float, ...], ...] = ()  # per rank, per microbatch (for plots)
     tokens: np.ndarray | None = None  # per rank (what a run measures, for the automatic cost)
     sq_tokens: np.ndarray | None = None
+    splits: tuple = ()  # lb-mini-sp: the split samples (ds_odc.balancer.sp.SplitSample), in execution order
 
 
 def step_time_of(plan: Plan | None, mb_costs: Sequence[Sequence[float]], sync: str) -> float:
-    """Step time of one plan under ``sync`` ("collective" or "odc") given per-microbatch costs."""
+    """Step time of one plan under ``sync`` ("collective", "odc", or "odc-sp": ODC whose split samples make their
+    groups meet) given per-microbatch costs."""
+    if sync == "odc-sp":
+        from .sp import split_step_time
+        return split_step_time(plan, mb_costs)
     if sync == "odc":
         return max((math.fsum(r) for r in mb_costs), default=0.0)
     slots = max((len(r) for r in mb_costs), default=0)
@@ -93,6 +98,11 @@ def run_plan(name: str, plan: Plan, lengths: Sequence[int], machine: Machine) ->
     """Time ``plan`` on ``machine``."""
     mbc = [[t + machine.overhead for t in r] for r in plan.microbatch_costs(machine.cost, lengths)]
     eff, sq = effective_lengths(lengths, None, plan.truncated, plan.max_tokens)
+    if hasattr(plan, "rank_loads"):  # lb-mini-sp: a group member's share of a split sample
+        tokens, sq_tokens = plan.rank_loads(lengths)
+    else:
+        tokens = np.array([int(eff[plan.rank_samples(r)].sum()) for r in range(plan.world_size)])
+        sq_tokens = np.array([float(sq[plan.rank_samples(r)].sum()) for r in range(plan.world_size)])
     return StepResult(
         planner=name,
         busy=np.array([math.fsum(r) for r in mbc]),
@@ -101,8 +111,9 @@ def run_plan(name: str, plan: Plan, lengths: Sequence[int], machine: Machine) ->
         truncated=len(plan.truncated),
         skipped=len(plan.skipped),
         microbatch_times=tuple(tuple(r) for r in mbc),
-        tokens=np.array([int(eff[plan.rank_samples(r)].sum()) for r in range(plan.world_size)]),
-        sq_tokens=np.array([float(sq[plan.rank_samples(r)].sum()) for r in range(plan.world_size)]),
+        tokens=tokens,
+        sq_tokens=sq_tokens,
+        splits=tuple(getattr(plan, "splits", ())),
     )
 
 
@@ -115,6 +126,7 @@ def simulate_step(
     oversize: str = "truncate",
     microbatch_overhead: float = 0.0,
     plan_cost: "CostModel | dict[str, CostModel] | None" = None,
+    split: "SplitPolicy | None" = None,
 ) -> dict[str, StepResult]:
     """Plan one minibatch with each planner and time it under the planner's sync mode.
 
@@ -125,7 +137,7 @@ def simulate_step(
     for name in planners:
         known = plan_cost.get(name) if isinstance(plan_cost, dict) else plan_cost
         plan = plan_minibatch(lengths, ranks, planner=name, max_tokens=max_tokens, cost=known or machine.cost,
-                              oversize=oversize)
+                              oversize=oversize, split=split)
         out[name] = run_plan(name, plan, lengths, machine)
     return out
 
@@ -181,6 +193,7 @@ def simulate(
     in_order: bool = False,
     plan_cost: str = "given",
     noise: float = 0.0,
+    split: "SplitPolicy | None" = None,
 ) -> dict:
     """Run ``steps`` minibatches; ``source`` is a preset name or a pool of lengths.  Returns the JSON summary.
 
@@ -213,10 +226,11 @@ def simulate(
             known: "CostModel | dict[str, CostModel]" = {p: fits[p].model for p in planners}
         else:
             known = machine.truth if plan_cost == "oracle" else machine.cost
-        res = simulate_step(lengths, ranks, max_tokens, machine.cost, planners, oversize, machine.overhead, known)
+        res = simulate_step(lengths, ranks, max_tokens, machine.cost, planners, oversize, machine.overhead, known,
+                            split)
         if plan_cost == "auto":
             best = simulate_step(lengths, ranks, max_tokens, machine.cost, planners, oversize, machine.overhead,
-                                 machine.truth)
+                                 machine.truth, split)
             for p, r in res.items():
                 oracle[p].append(best[p])
                 measured = r.busy * (1.0 + noise * noise_rng.standard_normal(r.busy.size)) if noise else r.busy
@@ -303,6 +317,14 @@ def plot_steps(history: list[dict[str, StepResult]], path: str, title: str = "",
                 ends = np.cumsum([max((r[j] for r in res.microbatch_times if j < len(r)), default=0.0)
                                   for j in range(slots)])
                 slot_starts = np.concatenate([[0.0], ends[:-1]]) if slots else np.zeros(0)
+            split_starts, shared = None, [0] * ranks
+            if SYNC_MODE[name] == "odc-sp":  # split samples first, when their whole group is free
+                from .sp import split_schedule
+                split_starts = split_schedule(res.splits, res.microbatch_times)
+                for split in res.splits:
+                    for r in split.ranks:
+                        if r < ranks:
+                            shared[r] += 1
             for r in range(ranks):
                 ax.barh(y + r, res.step_time, left=start, color="none", edgecolor="grey", hatch="///",
                         linewidth=0)  # idle shows through wherever no microbatch runs
@@ -310,7 +332,10 @@ def plot_steps(history: list[dict[str, StepResult]], path: str, title: str = "",
                 for j, d in enumerate(res.microbatch_times[r]):
                     if slot_starts is not None:
                         t = float(slot_starts[j])
-                    ax.barh(y + r, d, left=start + t, color=colours(k), edgecolor="black", linewidth=0.4)
+                    if split_starts is not None:
+                        t = split_starts[r][j]
+                    ax.barh(y + r, d, left=start + t, color=colours(k), edgecolor="black", linewidth=0.4,
+                            hatch="xx" if j < shared[r] else None)
                     t += d
             start += res.step_time
             ax.plot([start, start], [y - 0.5, y + ranks - 0.5], color="black", lw=1.0)
@@ -320,7 +345,8 @@ def plot_steps(history: list[dict[str, StepResult]], path: str, title: str = "",
         y += ranks + 1
     ax.set_yticks(yticks, ylabels, fontsize=8)
     ax.invert_yaxis()
-    ax.set_xlabel(f"time (cost units); bars: microbatches of ranks 0-{ranks - 1}; hatched: idle; lines: step ends")
+    ax.set_xlabel(f"time (cost units); bars: microbatches of ranks 0-{ranks - 1} (crossed: split samples); "
+                  "hatched: idle; lines: step ends")
     if title:
         ax.set_title(title, fontsize=9)
     fig.tight_layout()
@@ -397,6 +423,12 @@ def main(argv: Sequence[str] | None = None) -> int:
     ap.add_argument("--json", action="store_true", help="print one JSON object and nothing else")
     ap.add_argument("--plot", help="PNG: every planner's ranks on one time axis, microbatch by microbatch")
     ap.add_argument("--plot-steps", type=int, default=3, help="steps drawn by --plot (default 3)")
+    ap.add_argument("--split", action="store_true",
+                    help="also plan lb-mini-sp (ODC; samples no rank can take alone are split over groups of ranks "
+                         "with sequence parallelism; the groups follow --model-config's attention heads)")
+    ap.add_argument("--sp-efficiency", type=float, default=0.8,
+                    help="with --split: a sample split g ways takes 1/(g*E) of its time per member (default 0.8)")
+    ap.add_argument("--ranks-per-node", type=int, default=8, help="with --split: the largest group (default 8)")
     args = ap.parse_args(argv)
 
     source = args.preset if args.preset else _read_lengths(args.lengths)
@@ -411,13 +443,20 @@ def main(argv: Sequence[str] | None = None) -> int:
             ap.error("--cost quadratic derives a*L + b*L^2 from a model's shape: add --model-config CONFIG.json "
                      "(or a shape name such as qwen2.5-1.5b)")
         cost = QuadraticCost.from_hf_config(_model_config(args.model_config))
+    split, planners = None, PLANNERS
+    if args.split:
+        from .sp import SPLIT_PLANNER, SplitPolicy
+        options = dict(efficiency=args.sp_efficiency, ranks_per_node=args.ranks_per_node)
+        split = (SplitPolicy.from_hf_config(_model_config(args.model_config), **options) if args.model_config
+                 else SplitPolicy(**options))
+        planners = PLANNERS + (SPLIT_PLANNER,)
     t0 = time.perf_counter()
     try:
         summary = simulate(source, ranks=args.ranks, minibatch_size=args.minibatch_size,
                            max_tokens=args.max_tokens or None, cost=cost, steps=args.steps, seed=args.seed,
                            oversize=args.oversize, keep_steps=bool(args.plot),
                            microbatch_overhead=args.microbatch_overhead, in_order=args.in_order,
-                           plan_cost=args.plan_cost, noise=args.noise)
+                           plan_cost=args.plan_cost, noise=args.noise, planners=planners, split=split)
     except ValueError as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
