@@ -1,8 +1,8 @@
 """Configurations ODC cannot run, rejected at ``deepspeed.initialize`` with the option to change.
 
-Why each is rejected is in ``shared/design/deepspeed_seams.md`` §8: in short, ODC needs every trainable shard and
-the gradient accumulator in one device buffer per rank (no offload), gathers and pushes over the plain
-data-parallel group (no hpZ, TP, SP, PP, MoE groups), and no per-bucket collectives on the gradient path.
+ODC needs every trainable shard and the gradient accumulator in one device buffer per rank (no offload), gathers
+and pushes over the plain data-parallel group (no hpZ, TP, SP, PP, MoE groups), and no per-bucket collectives on
+the gradient path.
 """
 
 from __future__ import annotations
