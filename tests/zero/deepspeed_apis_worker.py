@@ -30,12 +30,8 @@ from _support.launch import emit
 from ds_odc.distributed import shutdown_and_exit
 
 sys.path.insert(0, os.path.dirname(__file__))
-from _workload import ds_config, full_params, minibatch, rel_diff, tiny_llama  # noqa: E402
+from _workload import ds_config, flat, full_params, minibatch, odc_vs_stock, tiny_llama  # noqa: E402
 from worker import build, init_ranks  # noqa: E402
-
-
-def flat(tensors) -> torch.Tensor:
-    return torch.cat([t.detach().float().reshape(-1).cpu() for t in tensors])
 
 
 def backward_on(engine, step: int, k: int = 0, gas: int = 1):
@@ -122,17 +118,8 @@ def main():
     parser.add_argument("--local_rank", type=int, default=None)
     args = parser.parse_args()
     init_ranks(timeout_s=60)
-    initial = flat(full_params(tiny_llama()).values())
-    out, moved = {}, {}
-    for section in SECTIONS:
-        if args.only and section.__name__ not in args.only.split(","):
-            continue
-        stock, odc = section(None), section(True)
-        for key in stock:
-            out[key] = rel_diff(odc[key], stock[key])
-            if key.startswith("params_after"):
-                moved[key] = rel_diff(stock[key], initial)  # a section that trains nothing would prove nothing
-    out["stock_moved"] = moved
+    sections = [s for s in SECTIONS if not args.only or s.__name__ in args.only.split(",")]
+    out = odc_vs_stock(sections, flat(full_params(tiny_llama()).values()))
     if dist.get_rank() == 0:
         emit(out)
     shutdown_and_exit()
