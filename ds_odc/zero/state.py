@@ -101,6 +101,7 @@ class OdcState:
         self.in_step = False  # between start_step() and publish(): DeepSpeed's own step is using the gradients
         self.open = False  # this rank pushed or declared its boundary since the last publish
         self.settled = False  # every push of this minibatch so far has landed (a fence ran since the last push)
+        self.overwrite = False  # zero_grad() ran: the next push replaces the landed gradients instead of adding
         self._fetch_plans: dict[tuple[int, ...], FetchPlan] = {}
         self._push_plans: dict[tuple[int, ...], ScatterPlan] = {}
 
@@ -215,6 +216,8 @@ class OdcState:
     def push(self, params: Sequence[torch.nn.Parameter]) -> None:
         """Add every parameter's gradient, slice by slice, into its owners' accumulators, averaged over the ranks (as
         the reduce-scatter it replaces)."""
+        if self.overwrite:
+            self._empty_before_pushing()
         key = tuple(p.ds_id for p in params)
         plan = self._push_plans.get(key)
         if plan is None:
@@ -244,7 +247,7 @@ class OdcState:
         started = time.perf_counter()
         self.transport.barrier("the barrier after the optimizer step")
         self.wait_s += time.perf_counter() - started
-        self.open = self.settled = self.in_step = False
+        self.open = self.settled = self.in_step = self.overwrite = False
         self.published = True
 
     def start_step(self) -> None:
@@ -276,12 +279,20 @@ class OdcState:
         self.transport.barrier(what)
 
     def discard(self, why: str) -> None:
-        """Drop this minibatch's gradients so far, on every rank (``optimizer.zero_grad()`` before the step; stock's
-        step calls it too, after the gradients were taken, which must drop nothing)."""
+        """``optimizer.zero_grad()`` before the step, on every rank: as stock, the gradients so far stay readable (and
+        a step taken now still applies them) until the next backward replaces them. Stock's step calls it too, after
+        the gradients were taken, which must drop nothing."""
         if not self.open or self.in_step:
             return
         self.settle(why)
+        self.overwrite = True
+
+    def _empty_before_pushing(self) -> None:
+        """The first push after ``discard``: empty this rank's accumulator, then meet, so that no peer's push of the
+        new microbatch lands in an accumulator before its owner emptied it."""
         self.transport.zero_([self.accumulator])
+        self.transport.barrier("emptying the gradients dropped by optimizer.zero_grad() (every rank must do it)")
+        self.overwrite = False
 
     def publish_writes(self, why: str) -> None:
         """Shards were written outside the step (on every rank): meet, so peers read the new values."""

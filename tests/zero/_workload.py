@@ -125,3 +125,23 @@ def rel_diff(a: torch.Tensor, b: torch.Tensor) -> float:
 
 def max_rel_diff(a: dict, b: dict) -> float:
     return max(rel_diff(a[name], b[name]) for name in a)
+
+
+def flat(tensors) -> torch.Tensor:
+    """Tensors as one flat fp32 CPU vector (to compare whole parameter or gradient sets)."""
+    return torch.cat([t.detach().float().reshape(-1).cpu() for t in tensors])
+
+
+def odc_vs_stock(sections, initial: torch.Tensor) -> dict:
+    """Run every section (a function of ``odc``, returning named tensors) with ODC off and on: per name, ODC's
+    distance from stock, and under ``stock_moved`` how far each ``params_after*`` result of stock moved from
+    ``initial`` (a section that trains nothing would prove nothing)."""
+    out, moved = {}, {}
+    for section in sections:
+        stock, odc = section(None), section(True)
+        for key in stock:
+            out[key] = rel_diff(odc[key], stock[key])
+            if key.startswith("params_after"):
+                moved[key] = rel_diff(stock[key], initial)
+    out["stock_moved"] = moved
+    return out

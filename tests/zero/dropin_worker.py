@@ -27,12 +27,8 @@ from _support.launch import emit, expect_error, init_test_ranks
 from ds_odc.distributed import shutdown_and_exit
 
 sys.path.insert(0, os.path.dirname(__file__))
-from _workload import ds_config, full_params, minibatch, rel_diff, tiny_llama  # noqa: E402
+from _workload import ds_config, flat, full_params, minibatch, odc_vs_stock, tiny_llama  # noqa: E402
 from worker import build  # noqa: E402
-
-
-def flat(tensors) -> torch.Tensor:
-    return torch.cat([t.detach().float().reshape(-1) for t in tensors])
 
 
 def named(engine):
@@ -169,15 +165,7 @@ SECTIONS = [reads_between_backward_and_step, writes_between_backward_and_step, z
 
 
 def scenario_apis(args):
-    out, moved = {}, {}
-    initial = flat(full_params(tiny_llama()).values())
-    for section in SECTIONS:
-        stock, odc = section(None), section(True)
-        for key in stock:
-            out[key] = rel_diff(odc[key], stock[key])
-            if key.startswith("params_after"):
-                moved[key] = rel_diff(stock[key], initial)  # a section that trains nothing would prove nothing
-    out["stock_moved"] = moved
+    out = odc_vs_stock(SECTIONS, flat(full_params(tiny_llama()).values()))
     gathered = [None] * dist.get_world_size()
     dist.all_gather_object(gathered, out)
     if dist.get_rank() == 0:

@@ -258,6 +258,19 @@ def scenario_rejects(args):
         emit(out)
 
 
+def init_ranks(timeout_s: float = 60.0) -> None:
+    """CPU ranks under the test launcher; with ODC_TEST_CUDA=1 (tests/gpu) one CUDA device per rank over NCCL."""
+    if os.environ.get("ODC_TEST_CUDA") == "1":
+        import datetime
+        import deepspeed
+        local_rank = int(os.environ.get("LOCAL_RANK", 0))
+        torch.cuda.set_device(local_rank)
+        _workload.DEVICE = torch.device("cuda", local_rank)
+        deepspeed.init_distributed(dist_backend="nccl", timeout=datetime.timedelta(seconds=120))
+    else:
+        init_test_ranks(timeout_s=timeout_s)
+
+
 def main():
     parser = argparse.ArgumentParser()
     parser.add_argument("scenario")
@@ -279,15 +292,7 @@ def main():
     args = parser.parse_args()
     if args.scenario == "collectives":
         count_collectives()
-    if os.environ.get("ODC_TEST_CUDA") == "1":  # the same scenarios on GPUs (tests/gpu/test_zero_gpu.py)
-        import datetime
-        import deepspeed
-        local_rank = int(os.environ.get("LOCAL_RANK", 0))
-        torch.cuda.set_device(local_rank)
-        _workload.DEVICE = torch.device("cuda", local_rank)
-        deepspeed.init_distributed(dist_backend="nccl", timeout=datetime.timedelta(seconds=120))
-    else:
-        init_test_ranks(timeout_s=60 if args.scenario != "fence_timeout" else args.timeout * 2)
+    init_ranks(timeout_s=60 if args.scenario != "fence_timeout" else args.timeout * 2)
     globals()[f"scenario_{args.scenario}"](args)
     shutdown_and_exit()
 

@@ -1,0 +1,129 @@
+"""DeepSpeed ZeRO-3 APIs that DeepSpeed's own unit tests use, with ``"odc": true`` against stock ZeRO-3 in the same
+process (launched by test_deepspeed_apis.py on 2 and 3 CPU ranks, and by tests/gpu on GPUs).
+
+Each section builds one engine per mode and runs the same drop-in sequence on every rank; rank 0 reports how far
+ODC is from stock at each point:
+
+* ``zero_grad_then_step``: ``optimizer.zero_grad()`` between backward and a step with no backward in between. Stock
+  keeps the reduced gradients until the next backward overwrites them, so that step still applies them (DeepSpeed's
+  partitioning test asserts a non-zero gradient norm there).
+* ``backward_read_zero_grad_repeated``: several backward passes without a step, each read with
+  ``optimizer.get_fp32_grad_partitions()``, with and without ``zero_grad()`` in between (accumulate or overwrite),
+  then the step.
+* ``save_16bit_model``: the consolidated 16-bit state dict written after training.
+* ``unwrap_for_generation``: logits and greedy tokens inside ``unwrap_model_for_generation`` (hooks removed,
+  parameters gathered), then a training step after the hooks are back.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+import tempfile
+
+import torch
+import torch.distributed as dist
+
+import ds_odc  # noqa: F401
+from _support.launch import emit
+from ds_odc.distributed import shutdown_and_exit
+
+sys.path.insert(0, os.path.dirname(__file__))
+from _workload import ds_config, flat, full_params, minibatch, odc_vs_stock, tiny_llama  # noqa: E402
+from worker import build, init_ranks  # noqa: E402
+
+
+def backward_on(engine, step: int, k: int = 0, gas: int = 1):
+    """Forward and backward of this rank's k-th microbatch of minibatch ``step``."""
+    rank, world = dist.get_rank(), dist.get_world_size()
+    s = minibatch(step, gas * world)[k * world + rank]
+    engine.backward(engine(input_ids=s, labels=s).loss)
+
+
+def build_sgd(odc, gas: int = 1):
+    return build(tiny_llama(), ds_config(odc, gas=gas, optimizer="sgd"))
+
+
+def zero_grad_then_step(odc) -> dict:
+    engine = build_sgd(odc)
+    backward_on(engine, 0)
+    engine.optimizer.zero_grad()
+    engine.step()
+    norm = torch.tensor([float(engine.get_global_grad_norm())])
+    backward_on(engine, 1)
+    engine.step()
+    return {"grad_norm_after_zero_grad_step": norm, "params_after_zero_grad_step": flat(full_params(engine).values())}
+
+
+def backward_read_zero_grad_repeated(odc) -> dict:
+    out = {}
+    for zero_grad in (True, False):
+        engine = build_sgd(odc)
+        reads = []
+        for k in range(3):
+            backward_on(engine, k)
+            parts = engine.optimizer.get_fp32_grad_partitions()
+            reads.append(flat(g for i in sorted(parts) for _, g in sorted(parts[i].items())))
+            if zero_grad:
+                engine.optimizer.zero_grad()
+        engine.step()
+        tag = "zero_grad" if zero_grad else "accumulate"
+        # every rank's own partition differs: gather them so rank 0 compares all of them
+        local = torch.cat(reads)
+        gathered = [torch.empty_like(local) for _ in range(dist.get_world_size())]
+        dist.all_gather(gathered, local.to(engine.device))
+        out[f"grad_partitions_read_{tag}"] = torch.cat([g.cpu() for g in gathered])
+        out[f"params_after_{tag}"] = flat(full_params(engine).values())
+    return out
+
+
+def save_16bit_model(odc) -> dict:
+    engine = build(tiny_llama(), ds_config(odc, optimizer="sgd",
+                                           extra_zero={"stage3_gather_16bit_weights_on_model_save": True}))
+    for step in range(2):
+        backward_on(engine, step)
+        engine.step()
+    folder = [tempfile.mkdtemp(prefix="odc_16bit_") if dist.get_rank() == 0 else None]
+    dist.broadcast_object_list(folder, src=0)
+    engine.save_16bit_model(folder[0], "model.bin")
+    dist.barrier()
+    saved = torch.load(os.path.join(folder[0], "model.bin"), map_location="cpu", weights_only=True)
+    return {"saved_16bit_state_dict": flat(saved[k] for k in sorted(saved)),
+            "params_after_16bit_save": flat(full_params(engine).values())}
+
+
+def unwrap_for_generation(odc) -> dict:
+    from deepspeed.runtime.zero import unwrap_model_for_generation
+    engine = build_sgd(odc)
+    backward_on(engine, 0)
+    engine.step()
+    prompt = minibatch(7, dist.get_world_size())[dist.get_rank()][:, :6]
+    with unwrap_model_for_generation(engine) as unwrapped:
+        with torch.no_grad():
+            logits = unwrapped(input_ids=prompt).logits
+            tokens = unwrapped.module.generate(prompt, max_new_tokens=4, do_sample=False, pad_token_id=0)
+    backward_on(engine, 1)
+    engine.step()
+    return {"logits_in_unwrap": flat([logits]), "tokens_in_unwrap": flat([tokens]),
+            "params_after_unwrap_and_step": flat(full_params(engine).values())}
+
+
+SECTIONS = [zero_grad_then_step, backward_read_zero_grad_repeated, save_16bit_model, unwrap_for_generation]
+
+
+def main():
+    parser = argparse.ArgumentParser()
+    parser.add_argument("--only", default="", help="comma-separated section names (default: all)")
+    parser.add_argument("--local_rank", type=int, default=None)
+    args = parser.parse_args()
+    init_ranks(timeout_s=60)
+    sections = [s for s in SECTIONS if not args.only or s.__name__ in args.only.split(",")]
+    out = odc_vs_stock(sections, flat(full_params(tiny_llama()).values()))
+    if dist.get_rank() == 0:
+        emit(out)
+    shutdown_and_exit()
+
+
+if __name__ == "__main__":
+    main()
