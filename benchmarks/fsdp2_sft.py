@@ -26,7 +26,8 @@ from ds_odc.balancer.sampler import BalancedBatchSampler
 from ds_odc.loss import global_mean_weight
 from ds_odc.metrics import StepClock, gather_step, summarize
 from ds_odc.profiling import decoder_layers, describe, profile_step
-from ds_odc.sft_cli import cost_from_args, on_device, prepare_model, samples_from_args, sft_argument_parser
+from ds_odc.sft_cli import (cost_from_args, on_device, plan_attention, prepare_model, samples_from_args,
+                            sft_argument_parser)
 from ds_odc.workloads import model_config, sample_tokens
 
 
@@ -63,11 +64,12 @@ def main():
             fully_shard(layer, mp_policy=policy)
         fully_shard(model, mp_policy=policy)
     optimizer = torch.optim.AdamW(model.parameters(), lr=1e-5, betas=(0.9, 0.95), fused=cuda)
+    lengths, token_ids = samples_from_args(args)
     if cuda:
+        plan_attention(config, args, lengths, device, torch.bfloat16)
         torch.cuda.empty_cache()
         torch.cuda.reset_peak_memory_stats()  # as sft.py: the peak of training, not of building
 
-    lengths, token_ids = samples_from_args(args)
     cost = cost_from_args(args, config)
     sampler = BalancedBatchSampler(lengths.tolist(), world_size=world, rank=rank, minibatch_size=args.minibatch_size,
                                    max_tokens=args.max_tokens, planner=args.balancer, seed=args.seed,

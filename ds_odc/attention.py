@@ -12,29 +12,40 @@ boundaries come, in this order of preference, from
 Kernels (:func:`set_kernel`): ``"varlen"`` is torch's ``torch.nn.attention.varlen.varlen_attn`` (the flash kernel
 over all documents of the row in one launch; CUDA, fp16/bf16; grouped-query attention without repeating k/v; no
 per-shape planning on the host, unlike cuDNN's sdpa). ``"sdpa"`` runs ``scaled_dot_product_attention`` once per
-document (any device and dtype; on CPU the same computation as the model on each document alone). ``"auto"``
-(default): ``varlen`` where it can run, else ``sdpa``.
+document (any device and dtype; on CPU the same computation as the model on each document alone). ``"bucketed"``
+runs each long document (``long_document`` tokens or more) through sdpa padded at its end to one of a few bucket
+lengths (at most 12.5% longer; exact under the causal mask, since no real token attends to a later one), so that a
+kernel that plans per shape (cuDNN's, the fastest on Hopper for long documents) plans once per bucket instead of
+once per length; the shorter documents between them go together through ``varlen`` (``sdpa`` per document where
+``varlen`` cannot run). ``"auto"`` (default): ``bucketed`` on a GPU where ``varlen`` runs, else ``sdpa``.
 
 ``restrict_sdpa_backends``: limit the kernels torch's ``scaled_dot_product_attention`` may choose from.
 """
 
 from __future__ import annotations
 
+import functools
 import inspect
+import itertools
+import time
+from collections.abc import Mapping
 from dataclasses import dataclass
-from typing import Literal
+from typing import Any, Literal
 
 import torch
 import torch.nn.functional as F
 from torch.utils.weak import WeakTensorKeyDictionary
 
 __all__ = ["ATTENTION_NAME", "DocumentBoundaries", "register", "set_kernel", "kernel_for", "varlen_attention_forward",
-           "boundaries_from_position_ids", "restrict_sdpa_backends"]
+           "boundaries_from_position_ids", "bucket_length", "bucket_lengths", "plan_buckets",
+           "remember_host_boundaries", "restrict_sdpa_backends"]
 
 ATTENTION_NAME = "ds_odc_varlen"
-Kernel = Literal["auto", "varlen", "sdpa"]
-_KERNELS = ("auto", "varlen", "sdpa")
+Kernel = Literal["auto", "varlen", "sdpa", "bucketed"]
+_KERNELS = ("auto", "varlen", "sdpa", "bucketed")
 _kernel: Kernel = "auto"
+LONG_DOCUMENT = 6144  # tokens; where cuDNN's sdpa per document overtook varlen on an H200 (benchmarks/attention.py)
+_long_document = LONG_DOCUMENT
 
 
 @dataclass(frozen=True)
@@ -45,11 +56,12 @@ class DocumentBoundaries:
     cu_seqlens: torch.Tensor
     max_length: int
     lengths: tuple[int, ...] | None = None
+    given: torch.Tensor | None = None  # the caller's boundary tensor, which every layer of one forward passes again
 
     def host_lengths(self) -> tuple[int, ...]:
         if self.lengths is not None:
             return self.lengths
-        return _host_lengths(self.cu_seqlens)
+        return _host_lengths(self.cu_seqlens if self.given is None else self.given)
 
 
 # Host copies of boundary tensors, so that every layer (and checkpoint recomputation) of one forward reads the same
@@ -61,7 +73,7 @@ _position_cache: WeakTensorKeyDictionary = WeakTensorKeyDictionary()
 def _host_lengths(cu_seqlens: torch.Tensor) -> tuple[int, ...]:
     hit = _host_cache.get(cu_seqlens)
     if hit is None or hit[0] != cu_seqlens._version:
-        hit = (cu_seqlens._version, tuple(int(n) for n in torch.diff(cu_seqlens.cpu()).tolist()))
+        hit = (cu_seqlens._version, tuple(int(n) for n in torch.diff(cu_seqlens.reshape(-1).cpu()).tolist()))
         _host_cache[cu_seqlens] = hit
     return hit[1]
 
@@ -83,19 +95,34 @@ def boundaries_from_position_ids(position_ids: torch.Tensor) -> DocumentBoundari
     return found
 
 
+def remember_host_boundaries(host: Mapping[str, Any], moved: Mapping[str, Any]) -> None:
+    """After a batch was copied to the device (``moved``, from ``host``): note the document lengths its boundary
+    tensors hold, so that no layer waits on a device-to-host copy (which would drain the queue at every forward)."""
+    for name in ("cu_seq_lens_q", "cu_seq_lens_k"):
+        src, dst = host.get(name), moved.get(name)
+        if torch.is_tensor(src) and torch.is_tensor(dst) and dst is not src and not src.is_cuda:
+            _host_cache[dst] = (dst._version, _host_lengths(src))
+    src, dst = host.get("position_ids"), moved.get("position_ids")
+    if torch.is_tensor(src) and torch.is_tensor(dst) and dst is not src and not src.is_cuda and src.dim() == 2:
+        found = boundaries_from_position_ids(src)
+        cu = found.cu_seqlens.pin_memory() if dst.is_cuda else found.cu_seqlens
+        _position_cache[dst] = (dst._version, DocumentBoundaries(cu.to(dst.device, non_blocking=True),
+                                                                 found.max_length, found.lengths))
+
+
 def _boundaries(query: torch.Tensor, kwargs: dict) -> DocumentBoundaries:
-    cu = kwargs.get("cu_seq_lens_q")
-    if cu is not None:
-        if kwargs.get("cu_seq_lens_k") is not None and kwargs["cu_seq_lens_k"] is not cu \
-                and not torch.equal(kwargs["cu_seq_lens_k"], cu):
+    given = kwargs.get("cu_seq_lens_q")
+    if given is not None:
+        if kwargs.get("cu_seq_lens_k") is not None and kwargs["cu_seq_lens_k"] is not given \
+                and not torch.equal(kwargs["cu_seq_lens_k"], given):
             raise ValueError("ds_odc_varlen: cu_seq_lens_k differs from cu_seq_lens_q; only self-attention over the "
                              "same documents is supported")
-        cu = cu.reshape(-1).to(device=query.device, dtype=torch.int32)
+        cu = given.reshape(-1).to(device=query.device, dtype=torch.int32)
         max_length = kwargs.get("max_length_q")
-        if max_length is None:
-            lengths = _host_lengths(cu)
-            return DocumentBoundaries(cu, max(lengths), lengths)
-        return DocumentBoundaries(cu, int(max_length))
+        if max_length is None:  # keyed by the collator's tensor: one host copy per forward
+            lengths = _host_lengths(given)
+            return DocumentBoundaries(cu, max(lengths), lengths, given)
+        return DocumentBoundaries(cu, int(max_length), given=given)
     position_ids = kwargs.get("position_ids")
     batch, _, tokens, _ = query.shape
     if position_ids is None:  # no packing information: every row is one document
@@ -114,23 +141,93 @@ def _varlen_kernel():
     return varlen_attn, "enable_gqa" in inspect.signature(varlen_attn).parameters
 
 
-def kernel_for(query: torch.Tensor) -> str:
+def _varlen_runs(query: torch.Tensor) -> bool:
+    return query.is_cuda and query.dtype in (torch.float16, torch.bfloat16) and _varlen_kernel()[0] is not None
+
+
+def kernel_for(query: torch.Tensor, causal: bool = True) -> str:
     """The kernel :func:`varlen_attention_forward` uses for this query under the current :func:`set_kernel` choice."""
-    varlen_runs = query.is_cuda and query.dtype in (torch.float16, torch.bfloat16) and _varlen_kernel()[0] is not None
-    if _kernel == "varlen" and not varlen_runs:
+    if _kernel == "varlen" and not _varlen_runs(query):
         raise ValueError(f"ds_odc_varlen: the 'varlen' kernel needs torch.nn.attention.varlen (torch >= 2.10), a CUDA "
                          f"device and fp16/bf16; got {query.device} {query.dtype}. Use set_kernel('auto') or 'sdpa'.")
     if _kernel == "auto":
-        return "varlen" if varlen_runs else "sdpa"
+        return "bucketed" if causal and _varlen_runs(query) else "sdpa"
+    if _kernel == "bucketed" and not causal:  # padding is exact only when no real token sees the padding
+        return "varlen" if _varlen_runs(query) else "sdpa"
     return _kernel
 
 
-def set_kernel(kernel: Kernel) -> None:
-    """Choose the kernel of ``ds_odc_varlen`` for the process: ``"auto"``, ``"varlen"`` or ``"sdpa"``."""
-    global _kernel
+def set_kernel(kernel: Kernel, long_document: int = LONG_DOCUMENT) -> None:
+    """Choose the kernel of ``ds_odc_varlen`` for the process: ``"auto"``, ``"varlen"``, ``"sdpa"`` or
+    ``"bucketed"``; ``long_document``: from this length on, ``bucketed`` (and ``auto``) give a document its own
+    padded sdpa call (``benchmarks/attention.py --sweep`` measures where sdpa overtakes ``varlen``)."""
+    global _kernel, _long_document
     if kernel not in _KERNELS:
         raise ValueError(f"ds_odc_varlen kernel {kernel!r}: choose one of {_KERNELS}")
-    _kernel = kernel
+    if long_document < 1:
+        raise ValueError(f"ds_odc_varlen long_document={long_document}: give a length of 1 token or more")
+    _kernel, _long_document = kernel, int(long_document)
+
+
+def bucket_length(length: int) -> int:
+    """``length`` rounded up to the next of 8 buckets per power of two (at most 12.5% longer, so attention costs at
+    most ~27% more): 49 shapes cover 2k..128k tokens."""
+    step = 1 << max(0, length.bit_length() - 4)
+    return -(-length // step) * step
+
+
+@dataclass(frozen=True)
+class _Segment:
+    """Tokens ``[start, end)`` of the row: one long document (``padded_to`` its bucket), or a run of short ones."""
+    start: int
+    end: int
+    padded_to: int | None = None
+    lengths: tuple[int, ...] = ()
+    cu_seqlens: torch.Tensor | None = None  # of the run of short documents, when it goes through varlen
+
+
+@functools.lru_cache(maxsize=64)  # one plan per row, reused by every layer and by checkpoint recomputation
+def _bucketed_plan(lengths: tuple[int, ...], long_document: int, varlen_device: torch.device | None):
+    segments, run, start = [], [], 0
+
+    def close_run(end):
+        if run:
+            cu = None
+            if varlen_device is not None:  # from pinned memory: no wait for the work already queued
+                cu = torch.tensor([0, *itertools.accumulate(run)], dtype=torch.int32).pin_memory()
+                cu = cu.to(varlen_device, non_blocking=True)
+            segments.append(_Segment(end - sum(run), end, lengths=tuple(run), cu_seqlens=cu))
+            run.clear()
+
+    for n in lengths:
+        if n >= long_document:
+            close_run(start)
+            segments.append(_Segment(start, start + n, padded_to=bucket_length(n)))
+        else:
+            run.append(n)
+        start += n
+    close_run(start)
+    return tuple(segments)
+
+
+def _bucketed(query, key, value, lengths, scaling, use_varlen: bool):
+    """Causal attention only: ``[1, H, T, D]`` in, ``[1, T, H, D]`` out."""
+    plan = _bucketed_plan(tuple(lengths), _long_document, query.device if use_varlen else None)
+    gqa = query.shape[1] != key.shape[1]
+    parts = []
+    for seg in plan:
+        q, k, v = (x[:, :, seg.start:seg.end] for x in (query, key, value))
+        if seg.padded_to is not None:
+            pad = (0, 0, 0, seg.padded_to - (seg.end - seg.start))
+            q, k, v = (F.pad(x, pad) if pad[3] else x.contiguous() for x in (q, k, v))
+            out = F.scaled_dot_product_attention(q, k, v, is_causal=True, scale=scaling, enable_gqa=gqa)
+            parts.append(out[:, :, :seg.end - seg.start].transpose(1, 2))
+        elif seg.cu_seqlens is not None:
+            bounds = DocumentBoundaries(seg.cu_seqlens, max(seg.lengths), seg.lengths)
+            parts.append(_varlen(q, k, v, bounds, scaling, True)[None])
+        else:
+            parts.append(_per_document_sdpa(q, k, v, list(seg.lengths), scaling, True).transpose(1, 2))
+    return parts[0] if len(parts) == 1 else torch.cat(parts, dim=1)
 
 
 def _per_document_sdpa(query, key, value, lengths, scaling, causal):
@@ -168,15 +265,52 @@ def varlen_attention_forward(module: torch.nn.Module, query: torch.Tensor, key: 
                          f"tokens (got dropout={dropout}, sliding_window={sliding_window}, softcap={softcap}); "
                          "use attn_implementation='sdpa' for this model")
     causal = getattr(module, "is_causal", True)
+    kernel = kernel_for(query, causal)
     bounds = _boundaries(query, kwargs)
+    if kernel == "bucketed" and bounds.max_length < _long_document and _varlen_runs(query):
+        kernel = "varlen"  # no long document: one launch, and no need for the lengths on the host
     batch, heads, tokens, dim = query.shape
     if batch > 1:  # flatten the rows into one sequence of documents
         query, key, value = (x.transpose(0, 1).reshape(1, x.shape[1], batch * tokens, dim) for x in (query, key, value))
-    if kernel_for(query) == "varlen":
+    if kernel == "varlen":
         out = _varlen(query, key, value, bounds, scaling, causal)[None]  # [1, B*T, H, D]
+    elif kernel == "bucketed":
+        out = _bucketed(query, key, value, bounds.host_lengths(), scaling, _varlen_runs(query))
     else:
         out = _per_document_sdpa(query, key, value, list(bounds.host_lengths()), scaling, causal).transpose(1, 2)
     return out.reshape(batch, tokens, heads, dim), None
+
+
+def bucket_lengths(longest: int, shortest: int | None = None) -> list[int]:
+    """Every bucket a document of ``shortest`` (default: ``long_document``) to ``longest`` tokens can fall in."""
+    n, found = bucket_length(shortest or _long_document), []
+    while n <= bucket_length(longest):
+        found.append(n)
+        n = bucket_length(n + 1)
+    return found
+
+
+def plan_buckets(config, longest: int, device: torch.device, dtype: torch.dtype) -> tuple[int, float]:
+    """Run attention of one layer of ``config`` (a transformers config) once per bucket up to ``longest`` tokens,
+    forward and backward, as training will: cuDNN plans each shape now instead of during the first steps (tens of ms
+    of host time per new shape, with the GPU waiting). Returns (shapes planned, seconds). A no-op where the current
+    kernel choice is not ``bucketed`` on this device."""
+    heads = config.num_attention_heads
+    kv_heads = getattr(config, "num_key_value_heads", None) or heads
+    head_dim = getattr(config, "head_dim", None) or config.hidden_size // heads
+    probe = torch.empty(0, device=device, dtype=dtype)
+    if kernel_for(probe) != "bucketed" or not _varlen_runs(probe):
+        return 0, 0.0
+    started, buckets = time.perf_counter(), bucket_lengths(longest)
+    for n in buckets:
+        length = max(n - 1, _long_document)  # padded to n, as nearly every document of this bucket is
+        q, k, v = (torch.zeros(1, length, h, head_dim, device=device, dtype=dtype, requires_grad=True)
+                   for h in (heads, kv_heads, kv_heads))
+        out = _bucketed(*(x.transpose(1, 2) for x in (q, k, v)), (length,), head_dim ** -0.5, True)
+        out.backward(torch.ones_like(out))
+    if buckets:
+        torch.cuda.synchronize(device)
+    return len(buckets), time.perf_counter() - started
 
 
 def _mask_for_varlen(batch_size, q_length, kv_length, q_offset=0, kv_offset=0, mask_function=None,

@@ -18,7 +18,8 @@ from ds_odc.balancer.presets import PRESETS
 from ds_odc.loss import use_chunked_loss
 from ds_odc.workloads import MODEL_SHAPES, load_lengths, tokenize_text_file
 
-__all__ = ["sft_argument_parser", "samples_from_args", "cost_from_args", "prepare_model", "on_device"]
+__all__ = ["sft_argument_parser", "samples_from_args", "cost_from_args", "prepare_model", "on_device",
+           "plan_attention"]
 
 
 def sft_argument_parser(description: str | None = None, deepspeed_config: bool = True) -> argparse.ArgumentParser:
@@ -55,8 +56,10 @@ def sft_argument_parser(description: str | None = None, deepspeed_config: bool =
     p.add_argument("--attn-implementation", default="ds_odc_varlen",
                    help="transformers attention; default ds_odc_varlen: each packed document attends to itself only, "
                         "with no per-length planning (ds_odc.attention)")
-    p.add_argument("--attention-kernel", default="auto", choices=["auto", "varlen", "sdpa"],
-                   help="kernel of ds_odc_varlen: torch's varlen flash attention (GPU) or sdpa per document")
+    p.add_argument("--attention-kernel", default="auto", choices=["auto", "varlen", "sdpa", "bucketed"],
+                   help="kernel of ds_odc_varlen: torch's varlen flash attention (GPU), sdpa per document, or "
+                        "bucketed (long documents through sdpa padded to a few lengths, short ones through varlen); "
+                        "auto: bucketed on a GPU, sdpa elsewhere")
     p.add_argument("--loss-chunk-tokens", type=int, default=4096,
                    help="compute the loss this many positions at a time, never the full logits (0: full logits)")
     p.add_argument("--sdpa-backends", default=None,
@@ -110,4 +113,19 @@ def prepare_model(model: torch.nn.Module, args: argparse.Namespace) -> torch.nn.
 
 def on_device(row: Mapping[str, Any], device: torch.device) -> dict[str, Any]:
     """A collated microbatch on ``device`` (tensors moved, Python ints such as ``max_length_q`` kept)."""
-    return {k: v.to(device, non_blocking=True) if torch.is_tensor(v) else v for k, v in row.items()}
+    moved = {k: v.to(device, non_blocking=True) if torch.is_tensor(v) else v for k, v in row.items()}
+    attention.remember_host_boundaries(row, moved)
+    return moved
+
+
+def plan_attention(model_config, args: argparse.Namespace, lengths, device: torch.device,
+                   dtype: torch.dtype) -> None:
+    """Before the first step: plan the ``bucketed`` attention shapes the run can meet (up to its longest row), so
+    the first minibatches do not pay cuDNN's planning. Prints one line on rank 0."""
+    if args.attn_implementation != attention.ATTENTION_NAME or device.type != "cuda":
+        return
+    longest = max(int(max(lengths)), args.max_tokens or 0)
+    shapes, seconds = attention.plan_buckets(model_config, longest, device, dtype)
+    if shapes and (not torch.distributed.is_initialized() or torch.distributed.get_rank() == 0):
+        print(f"ds_odc_varlen: planned {shapes} bucketed attention shapes up to {longest} tokens in {seconds:.1f} s",
+              flush=True)

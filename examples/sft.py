@@ -23,7 +23,8 @@ from ds_odc.config import odc_config_from_ds_config
 from ds_odc.loss import global_mean_weight
 from ds_odc.metrics import StepClock, gather_step, summarize
 from ds_odc.profiling import decoder_layers, describe, profile_step
-from ds_odc.sft_cli import cost_from_args, on_device, prepare_model, samples_from_args, sft_argument_parser
+from ds_odc.sft_cli import (cost_from_args, on_device, plan_attention, prepare_model, samples_from_args,
+                            sft_argument_parser)
 from ds_odc.distributed import init_distributed, shutdown_and_exit
 from ds_odc.workloads import model_config, sample_tokens
 
@@ -87,6 +88,7 @@ def train(args) -> dict | None:
     params = [p for p in model.parameters() if p.requires_grad]
     engine, *_ = deepspeed.initialize(model=model, model_parameters=params, config=ds_config)
     if device.type == "cuda":
+        plan_attention(model.config, args, lengths, device, next(model.parameters()).dtype)
         torch.cuda.empty_cache()
         torch.cuda.reset_peak_memory_stats()  # peak memory of training, not of building the unpartitioned model
 

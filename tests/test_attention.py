@@ -14,6 +14,7 @@ from ds_odc import attention
 from ds_odc.balancer.collate import PackedCollator
 
 LENGTHS = [7, 1, 12, 3, 1, 9]  # several documents, two of length 1
+BUCKETED_LENGTHS = [37, 1, 21, 3, 1, 9]  # 37 and 21 are padded to their buckets (40, 22); 9 is a bucket
 TOL = 2e-6
 
 
@@ -30,9 +31,9 @@ def _model(kind: str, impl: str):
     return model.train()
 
 
-def _docs(seed=1):
+def _docs(seed=1, lengths=LENGTHS):
     g = torch.Generator().manual_seed(seed)
-    return [torch.randint(0, 211, (n,), generator=g) for n in LENGTHS]
+    return [torch.randint(0, 211, (n,), generator=g) for n in lengths]
 
 
 def _loss_sum(logits, labels):
@@ -60,16 +61,47 @@ def _assert_close(got, want):
         assert (g - ref_grads[name]).abs().max().item() <= TOL * scale + 1e-12, name
 
 
+@pytest.fixture
+def kernel():
+    """Run a test under a ds_odc_varlen kernel, restoring the default afterwards."""
+    yield attention.set_kernel
+    attention.set_kernel("auto")
+
+
 @pytest.mark.parametrize("kind", ["qwen2", "llama"])
 @pytest.mark.parametrize("boundaries", ["cu_seq_lens", "position_ids"])
-def test_packed_row_equals_documents_alone(kind, boundaries):
-    docs = _docs()
+@pytest.mark.parametrize("choice", ["sdpa", "bucketed"])
+def test_packed_row_equals_documents_alone(kind, boundaries, choice, kernel):
+    """``bucketed`` with ``long_document=5``: the 37-, 21- and 9-token documents get their own (padded) sdpa call, the
+    others run per document in between."""
+    kernel(choice, long_document=5)
+    docs = _docs(lengths=BUCKETED_LENGTHS if choice == "bucketed" else LENGTHS)
     row = PackedCollator(return_flash_attn_kwargs=boundaries == "cu_seq_lens")([{"input_ids": d} for d in docs])
     model = _model(kind, attention.ATTENTION_NAME)
     labels = row.pop("labels")
     loss = _loss_sum(model(**row).logits, labels)
     loss.backward()
     _assert_close((loss.detach(), _grads(model)), _reference(kind, docs))
+
+
+def test_bucket_lengths_bound_the_padding_and_the_number_of_shapes():
+    lengths = range(1, 131073)
+    buckets = {n: attention.bucket_length(n) for n in lengths}
+    assert all(n <= b <= n * 1.125 for n, b in buckets.items())
+    assert buckets[2048] == 2048 and buckets[2049] == 2304 and buckets[65536] == 65536
+    assert len({b for n, b in buckets.items() if n >= 2048}) == 49  # 8 per power of two from 2k to 128k, and 128k
+
+
+def test_padding_at_the_end_is_exact_only_because_attention_is_causal():
+    """The bucketed kernel's premise, checked directly: padded at its end, a document attends exactly as alone under
+    the causal mask; without the mask the padding leaks in (so the check can fail)."""
+    g = torch.Generator().manual_seed(0)
+    q, k, v = (torch.randn(1, 4, 37, 8, generator=g) for _ in range(3))
+    padded = [F.pad(x, (0, 0, 0, attention.bucket_length(37) - 37)) for x in (q, k, v)]
+    for causal, same in ((True, True), (False, False)):
+        alone = F.scaled_dot_product_attention(q, k, v, is_causal=causal)
+        with_padding = F.scaled_dot_product_attention(*padded, is_causal=causal)[:, :, :37]
+        assert torch.allclose(alone, with_padding, atol=1e-6) is same
 
 
 def test_without_document_boundaries_the_row_mixes_documents():
@@ -124,7 +156,14 @@ def test_padding_and_unsupported_options_are_refused_with_the_fix():
             attention.set_kernel("auto")
     with pytest.raises(ValueError, match="choose one of"):
         attention.set_kernel("fast")
+    with pytest.raises(ValueError, match="long_document=0"):
+        attention.set_kernel("bucketed", long_document=0)
     assert attention.kernel_for(q) == "sdpa"  # CPU, fp32
+    attention.set_kernel("bucketed")
+    try:
+        assert attention.kernel_for(q) == "bucketed" and attention.kernel_for(q, causal=False) == "sdpa"
+    finally:
+        attention.set_kernel("auto")
 
 
 def test_boundaries_from_position_ids_are_computed_once_per_tensor():
@@ -134,3 +173,35 @@ def test_boundaries_from_position_ids_are_computed_once_per_tensor():
     assert attention.boundaries_from_position_ids(pos) is first  # every layer reuses it
     pos[0, 3] = 3  # changed in place: recomputed
     assert attention.boundaries_from_position_ids(pos).lengths == (4, 2, 4, 2)
+
+
+@pytest.mark.parametrize("boundaries", ["cu_seq_lens", "position_ids"])
+def test_boundaries_moved_to_the_device_keep_their_host_lengths(monkeypatch, boundaries):
+    """A batch moved by ``on_device`` (or OdcTrainer) keeps the lengths of its CPU boundaries: no layer copies them
+    back from the device (a copy that would wait for all queued GPU work). Without the note, the copy happens."""
+    from ds_odc.sft_cli import on_device
+    copies = []
+    real_cpu = torch.Tensor.cpu
+    monkeypatch.setattr(torch.Tensor, "cpu", lambda self, *a, **k: copies.append(1) or real_cpu(self, *a, **k))
+    host = PackedCollator(return_flash_attn_kwargs=boundaries == "cu_seq_lens")([{"input_ids": d} for d in _docs()])
+    q = torch.zeros(1, 4, sum(LENGTHS), 8)
+
+    def lengths_seen_by_a_layer(batch):
+        return attention._boundaries(q, batch).host_lengths()
+
+    moved = {k: v.clone() if torch.is_tensor(v) else v for k, v in host.items()}  # as a copy to another device
+    assert lengths_seen_by_a_layer(moved) == tuple(LENGTHS) and copies  # not noted: copied back
+    copies.clear()
+    moved = {k: v.clone() if torch.is_tensor(v) else v for k, v in host.items()}
+    attention.remember_host_boundaries(host, moved)  # reads the host tensors (free: already there)
+    copies.clear()
+    assert lengths_seen_by_a_layer(moved) == tuple(LENGTHS) and not copies
+    assert on_device(host, torch.device("cpu"))["input_ids"] is host["input_ids"]  # same device: no copy
+
+
+def test_planning_buckets_is_a_no_op_without_the_bucketed_kernel():
+    from transformers import Qwen2Config
+    config = Qwen2Config(hidden_size=64, num_attention_heads=4, num_key_value_heads=2)
+    assert attention.plan_buckets(config, 65536, torch.device("cpu"), torch.float32) == (0, 0.0)
+    assert attention.bucket_lengths(65536)[0] == attention.LONG_DOCUMENT and len(attention.bucket_lengths(65536)) == 29
+    assert attention.bucket_lengths(100, shortest=1) == sorted({attention.bucket_length(n) for n in range(1, 101)})

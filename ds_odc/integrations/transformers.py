@@ -22,6 +22,7 @@ from __future__ import annotations
 import copy
 import json
 import os
+from collections.abc import Mapping
 from typing import Any
 
 import torch
@@ -36,7 +37,7 @@ from ds_odc.config import odc_config_from_ds_config
 from ds_odc.balancer.checks import check_label_lengths
 from ds_odc.integrations._metrics import BalanceMeter
 from ds_odc.integrations._packs import Pack, PackBatchSampler, PackCollator, PackDataset
-from ds_odc.attention import ATTENTION_NAME
+from ds_odc.attention import ATTENTION_NAME, remember_host_boundaries
 from ds_odc.loss import DEFAULT_CHUNK_TOKENS, count_loss_tokens, use_chunked_loss
 from ds_odc.metrics import StepClock, gather_step
 
@@ -277,6 +278,12 @@ class OdcTrainer(Trainer):
             scale *= self.args.world_size
         loss = loss * scale
         return (loss, out[1]) if return_outputs else loss
+
+    def _prepare_inputs(self, inputs):
+        moved = super()._prepare_inputs(inputs)
+        if isinstance(inputs, Mapping) and isinstance(moved, Mapping):
+            remember_host_boundaries(inputs, moved)  # ds_odc_varlen needs the lengths on the host: no sync for them
+        return moved
 
     def _odc_model_inputs(self, mb: dict) -> dict:
         # A packed row (position ids restart, no attention mask) gets per-sample causal masks only without a KV
