@@ -103,10 +103,28 @@ def varlen(row: Row, repeat_kv: bool) -> torch.Tensor:
     return varlen_attn(q, k, v, row.cu, row.cu, m, m, window_size=(-1, 0), **extra).transpose(0, 1)[None]
 
 
-def ds_odc_varlen(row: Row) -> torch.Tensor:
-    out, _ = attention.varlen_attention_forward(torch.nn.Module(), row.q, row.k, row.v, None, cu_seq_lens_q=row.cu,
-                                                max_length_q=max(row.lengths))
-    return out.transpose(1, 2)
+def ds_odc_varlen(kernel: str, fresh_lengths: bool = False):
+    """``ds_odc_varlen`` through the transformers interface under ``kernel`` (the code training runs)."""
+    calls = 0
+
+    def forward(row: Row) -> torch.Tensor:
+        nonlocal calls
+        attention.set_kernel(kernel)
+        cu, lengths = row.cu, row.lengths
+        if fresh_lengths and len(row.lengths) > 1:  # as sdpa_fresh_lengths: new lengths every call
+            calls += 1
+            lengths = list(row.lengths)
+            shift = calls % max(1, min(lengths[0], lengths[1]) - 1)
+            lengths[0] -= shift
+            lengths[1] += shift
+            cu = F.pad(torch.tensor(lengths, device=row.q.device).cumsum(0), (1, 0)).to(torch.int32)
+        try:
+            out, _ = attention.varlen_attention_forward(torch.nn.Module(), row.q, row.k, row.v, None,
+                                                        cu_seq_lens_q=cu, max_length_q=max(lengths))
+        finally:
+            attention.set_kernel("auto")
+        return out.transpose(1, 2)
+    return forward
 
 
 def flex_cached_mask():
@@ -128,13 +146,43 @@ def flex_cached_mask():
 
 def kernels(cuda: bool) -> dict:
     table = {"sdpa per document": sdpa_per_document, "sdpa per document, new lengths": sdpa_fresh_lengths,
-             "ds_odc_varlen": ds_odc_varlen}
+             "ds_odc_varlen (auto)": ds_odc_varlen("auto"),
+             "ds_odc_varlen bucketed": ds_odc_varlen("bucketed"),
+             "ds_odc_varlen bucketed, new lengths": ds_odc_varlen("bucketed", fresh_lengths=True)}
     if cuda:
+        table["ds_odc_varlen varlen"] = ds_odc_varlen("varlen")
         table.update({"sdpa per document, flash/efficient": sdpa_flash_efficient,
                       "varlen_attn, grouped k/v": lambda r: varlen(r, False),
                       "varlen_attn, k/v repeated": lambda r: varlen(r, True),
                       "flex_attention, cached mask": flex_cached_mask()})
     return table
+
+
+def sweep(args, device, dtype, cuda: bool) -> list[dict]:
+    """Where a document's own sdpa call overtakes the shared varlen launch: rows of ``n`` documents of one length
+    (up to 64 of them, at most ``--row-tokens`` in all), fwd+bwd time per document under each kernel. ``bucketed``
+    is run with ``long_document=1`` (every document its own padded sdpa call, after its bucket is planned)."""
+    rows = []
+    length = 256
+    while length <= args.row_tokens:
+        docs = max(1, min(64, args.row_tokens // length))
+        row = Row([length] * docs, args.heads, args.kv_heads, args.head_dim, device, dtype)
+        times = {}
+        for kernel in ("varlen", "bucketed") if cuda else ("sdpa", "bucketed"):
+            def forward(r, kernel=kernel):
+                attention.set_kernel(kernel, long_document=1)
+                try:
+                    out, _ = attention.varlen_attention_forward(torch.nn.Module(), r.q, r.k, r.v, None,
+                                                                cu_seq_lens_q=r.cu, max_length_q=length)
+                finally:
+                    attention.set_kernel("auto")
+                return out.transpose(1, 2)
+            m = measure(row, forward, args.reps, cuda)
+            times[kernel] = m["ms"] / docs
+        rows.append({"length": length, "documents": docs, **{f"{k}_ms_per_doc": v for k, v in times.items()}})
+        del row
+        length *= 2
+    return rows
 
 
 def sync(cuda: bool) -> None:
@@ -164,6 +212,9 @@ def main(argv=None):
     p.add_argument("--lengths-file", help="document lengths to fill the long-tail row from (default: e2e's)")
     p.add_argument("--shapes", default=None, help="comma list of row shapes (default: all)")
     p.add_argument("--reps", type=int, default=5)
+    p.add_argument("--sweep", action="store_true",
+                   help="also time rows of equal documents, 256 tokens up to --row-tokens: varlen against each "
+                        "document in its own padded sdpa call (where set_kernel's long_document belongs)")
     p.add_argument("--out", default=None, help="write attention.json here")
     args = p.parse_args(argv)
     cuda = torch.cuda.is_available()
@@ -186,7 +237,7 @@ def main(argv=None):
                 continue
             got = m.pop("result")
             reference = reference or got
-            same_problem = forward is not sdpa_fresh_lengths  # that one attends over other documents
+            same_problem = "new lengths" not in name  # those attend over other documents
             m["max_abs_diff"] = (max((a.float() - b.float()).abs().max().item() for a, b in zip(got, reference))
                                  if same_problem else None)
             results[(shape, name)] = m
@@ -203,11 +254,19 @@ def main(argv=None):
         ref = results[(shape, "sdpa per document")]["ms"]
         diff = "-" if m["max_abs_diff"] is None else f"{m['max_abs_diff']:.1e}"
         print(f"{shape:<16}{docs:>10}  {name:<36}{m['ms']:>9.2f}{m['host_ms']:>9.2f}{m['ms'] / ref:>11.2f}x{diff:>10}")
+    swept = sweep(args, device, dtype, cuda) if args.sweep else []
+    if swept:
+        names = [k for k in swept[0] if k.endswith("_ms_per_doc")]
+        print(f"\n{'document tokens':>16}{'documents':>10}" + "".join(f"{n[:-11] + ' ms/doc':>18}" for n in names)
+              + f"{'ratio':>8}")
+        for r in swept:
+            print(f"{r['length']:>16}{r['documents']:>10}" + "".join(f"{r[n]:>18.3f}" for n in names)
+                  + f"{r[names[1]] / r[names[0]]:>8.2f}")
     if args.out:
         out = Path(args.out)
         out.mkdir(parents=True, exist_ok=True)
         (out / "attention.json").write_text(json.dumps(
-            {"argv": sys.argv, "torch": torch.__version__, "shapes": shapes,
+            {"argv": sys.argv, "torch": torch.__version__, "shapes": shapes, "sweep": swept,
              "results": [{"shape": s, "kernel": k, **m} for (s, k), m in results.items()]}, indent=1))
 
 

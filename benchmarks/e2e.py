@@ -13,8 +13,9 @@ Modes: stock+local-sort, stock+lb-micro, stock-blocks+lb-micro (stock ZeRO-3 wit
 that ODC defaults to), odc+lb-micro, odc+lb-mini (ZeRO-3 via examples/sft.py), fsdp2 (benchmarks/fsdp2_sft.py,
 local-sort) and plain (benchmarks/fsdp2_sft.py --engine plain: unsharded training on one GPU, --nproc 1 only).
 A mode takes options after slashes: ``/packed`` or ``/unpacked`` (override the workload's packing; packed rows of
-a local-sort mode are planned by lb-micro) and an attention implementation (``/sdpa``, ``/flex_attention``; default
-ds_odc_varlen), e.g. ``odc+lb-mini/unpacked/sdpa``. Each runs in its own torchrun launch; the table compares
+a local-sort mode are planned by lb-micro), an attention implementation (``/sdpa``, ``/flex_attention``; default
+ds_odc_varlen) and a kernel of ds_odc_varlen (``/varlen``, ``/bucketed``; default auto), e.g.
+``odc+lb-mini/unpacked/sdpa``. Each runs in its own torchrun launch; the table compares
 samples/s measured in this one call (ratios, not absolute times, are what carry over between machines).
 
 The packed table on one GPU (ODC packed vs unpacked vs FSDP2 vs plain; cuDNN's sdpa as the "before" of the
@@ -52,22 +53,26 @@ MODES = {
 PACKED_TABLE = ["odc+lb-mini", "odc+lb-mini/unpacked", "fsdp2/unpacked", "plain", "plain/unpacked",
                 "odc+lb-mini/unpacked/sdpa", "fsdp2/unpacked/sdpa"]
 ATTENTION_OPTIONS = {"ds_odc_varlen", "sdpa", "eager", "flex_attention", "flash_attention_2"}
+KERNEL_OPTIONS = {"varlen", "bucketed"}  # of ds_odc_varlen (--attention-kernel)
 
 
-def parse_mode(mode: str, workload: str) -> tuple[str, bool, str]:
-    """``NAME[/packed|/unpacked][/ATTENTION]`` -> (name, packed, attention implementation)."""
+def parse_mode(mode: str, workload: str) -> tuple[str, bool, str, str]:
+    """``NAME[/packed|/unpacked][/ATTENTION][/KERNEL]`` -> (name, packed, attention implementation, its kernel)."""
     name, *options = mode.split("/")
     if name not in MODES:
         raise SystemExit(f"unknown mode {name!r}; choose from {sorted(MODES)}")
-    packed, attn = workload == "longtail-packed", "ds_odc_varlen"
+    packed, attn, kernel = workload == "longtail-packed", "ds_odc_varlen", "auto"
     for option in options:
         if option in ("packed", "unpacked"):
             packed = option == "packed"
         elif option in ATTENTION_OPTIONS:
             attn = option
+        elif option in KERNEL_OPTIONS:
+            kernel = option
         else:
-            raise SystemExit(f"mode {mode!r}: unknown option {option!r} (packed, unpacked, {sorted(ATTENTION_OPTIONS)})")
-    return name, packed, attn
+            raise SystemExit(f"mode {mode!r}: unknown option {option!r} (packed, unpacked, "
+                             f"{sorted(ATTENTION_OPTIONS)}, kernels of ds_odc_varlen {sorted(KERNEL_OPTIONS)})")
+    return name, packed, attn, kernel
 
 
 def write_lengths(workload: str, minibatches: int, path: Path, scale: float = 1.0, nproc: int = 2) -> None:
@@ -87,7 +92,7 @@ def write_lengths(workload: str, minibatches: int, path: Path, scale: float = 1.
 
 
 def run(mode: str, args, lengths: Path, out: Path) -> dict:
-    name, packed, attn = parse_mode(mode, args.workload)
+    name, packed, attn, kernel = parse_mode(mode, args.workload)
     script, config, balancer = MODES[name]
     if packed and balancer == "local-sort":
         balancer = "lb-micro"
@@ -100,7 +105,7 @@ def run(mode: str, args, lengths: Path, out: Path) -> dict:
            str(ROOT / ("examples/sft.py" if script == "sft" else "benchmarks/fsdp2_sft.py")),
            "--model", args.model, "--lengths-file", str(lengths), "--no-shuffle", "--balancer", balancer,
            "--minibatch-size", "4", "--steps", str(args.steps + args.profile), "--warmup-steps", "1",
-           "--gradient-checkpointing", "--attn-implementation", attn,
+           "--gradient-checkpointing", "--attn-implementation", attn, "--attention-kernel", kernel,
            "--metrics-json", str(metrics), "--cost", args.cost]
     if script == "plain":
         cmd += ["--engine", "plain"]
