@@ -133,6 +133,7 @@ def _boundaries(query: torch.Tensor, kwargs: dict) -> DocumentBoundaries:
     return boundaries_from_position_ids(position_ids)
 
 
+@functools.cache  # checked at every layer call: import and signature once per process
 def _varlen_kernel():
     try:
         from torch.nn.attention.varlen import varlen_attn
@@ -267,7 +268,8 @@ def varlen_attention_forward(module: torch.nn.Module, query: torch.Tensor, key: 
     causal = getattr(module, "is_causal", True)
     kernel = kernel_for(query, causal)
     bounds = _boundaries(query, kwargs)
-    if kernel == "bucketed" and bounds.max_length < _long_document and _varlen_runs(query):
+    varlen_runs = _varlen_runs(query)
+    if kernel == "bucketed" and bounds.max_length < _long_document and varlen_runs:
         kernel = "varlen"  # no long document: one launch, and no need for the lengths on the host
     batch, heads, tokens, dim = query.shape
     if batch > 1:  # flatten the rows into one sequence of documents
@@ -275,7 +277,7 @@ def varlen_attention_forward(module: torch.nn.Module, query: torch.Tensor, key: 
     if kernel == "varlen":
         out = _varlen(query, key, value, bounds, scaling, causal)[None]  # [1, B*T, H, D]
     elif kernel == "bucketed":
-        out = _bucketed(query, key, value, bounds.host_lengths(), scaling, _varlen_runs(query))
+        out = _bucketed(query, key, value, bounds.host_lengths(), scaling, varlen_runs)
     else:
         out = _per_document_sdpa(query, key, value, list(bounds.host_lengths()), scaling, causal).transpose(1, 2)
     return out.reshape(batch, tokens, heads, dim), None
