@@ -30,7 +30,7 @@ import re
 import torch
 
 import ds_odc  # noqa: F401  (teaches DeepSpeed the `odc` key before GRPOConfig and the model)
-from ds_odc.distributed import init_distributed, shutdown
+from ds_odc.training.distributed import init_distributed, shutdown
 from toy_text import char_tokenizer  # examples/toy_text.py, next to this script
 
 PRESETS = {

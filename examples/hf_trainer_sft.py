@@ -17,7 +17,7 @@ import argparse
 import torch
 
 import ds_odc  # noqa: F401  (teaches DeepSpeed the `odc` key: import before TrainingArguments and the model)
-from ds_odc.distributed import init_distributed, shutdown
+from ds_odc.training.distributed import init_distributed, shutdown
 
 PRESETS = {  # name: (hidden, layers, heads, kv heads, intermediate, vocab, max_tokens_per_microbatch, max_len)
     "tiny": (64, 2, 4, 4, 128, 1000, 128, 128),
@@ -77,7 +77,7 @@ def main():
     init_distributed()
     from transformers import AutoModelForCausalLM, LlamaConfig, Trainer, TrainingArguments
 
-    from ds_odc.balancer.collate import PackedCollator
+    from ds_odc.training.collate import PackedCollator
     from ds_odc.integrations.transformers import OdcTrainer
 
     hidden, layers, heads, kv, inter, vocab, budget, max_len = PRESETS[args.preset]

@@ -21,7 +21,7 @@ import random
 import torch
 
 import ds_odc  # noqa: F401  (teaches DeepSpeed the `odc` key before SFTConfig and the model)
-from ds_odc.distributed import init_distributed, shutdown
+from ds_odc.training.distributed import init_distributed, shutdown
 from toy_text import char_tokenizer  # examples/toy_text.py, next to this script
 
 

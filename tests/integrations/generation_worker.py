@@ -16,7 +16,7 @@ import torch
 
 import ds_odc  # noqa: F401  (installs the odc config key before any engine is built)
 from _support.launch import emit, expect_error, init_test_ranks
-from ds_odc.distributed import shutdown_and_exit
+from ds_odc.training.distributed import shutdown_and_exit
 
 HERE = os.path.dirname(__file__)
 sys.path.insert(0, HERE)

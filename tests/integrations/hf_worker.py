@@ -13,7 +13,7 @@ import tempfile
 
 import ds_odc  # noqa: F401  (the `odc` key must parse before any TrainingArguments)
 from _support.launch import emit, init_test_ranks
-from ds_odc.distributed import shutdown_and_exit
+from ds_odc.training.distributed import shutdown_and_exit
 
 sys.path.insert(0, os.path.dirname(__file__))
 from _hf_workload import logged, tiny_llama, token_dataset, training_args  # noqa: E402
@@ -31,7 +31,7 @@ def scenario_equivalence():
     stock ZeRO-3 (one sample per microbatch, GAS = samples per rank), and OdcTrainer with ODC off (must be stock)."""
     from transformers import Trainer
 
-    from ds_odc.balancer.collate import PackedCollator
+    from ds_odc.training.collate import PackedCollator
     from ds_odc.integrations.transformers import OdcTrainer
 
     import torch.distributed as dist

@@ -14,13 +14,13 @@ import time
 import torch
 
 import ds_odc  # noqa: F401  (installs the odc config key before any engine is built)
-import ds_odc.sequence_parallel  # noqa: F401  (registers attn_implementation="ds_odc_sp")
+import ds_odc.training.sequence_parallel  # noqa: F401  (registers attn_implementation="ds_odc_sp")
 from _support.launch import emit, init_test_ranks
-from ds_odc.balancer.collate import PackedCollator
+from ds_odc.training.collate import PackedCollator
 from ds_odc.balancer.sp import SplitPolicy, plan_split
-from ds_odc.distributed import shutdown_and_exit
-from ds_odc.loss import global_mean_weight, token_loss_sum, use_chunked_loss
-from ds_odc.sequence_parallel import SequenceParallel, slice_loss_sum
+from ds_odc.training.distributed import shutdown_and_exit
+from ds_odc.training.loss import global_mean_weight, token_loss_sum, use_chunked_loss
+from ds_odc.training.sequence_parallel import SequenceParallel, slice_loss_sum
 
 sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", "zero"))
 from _workload import client_optimizer, ds_config, full_params, max_rel_diff  # noqa: E402

@@ -27,7 +27,7 @@ import torch.distributed as dist
 
 import ds_odc  # noqa: F401
 from _support.launch import emit
-from ds_odc.distributed import shutdown_and_exit
+from ds_odc.training.distributed import shutdown_and_exit
 
 sys.path.insert(0, os.path.dirname(__file__))
 from _workload import ds_config, flat, full_params, minibatch, odc_vs_stock, tiny_llama  # noqa: E402

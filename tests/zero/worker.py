@@ -14,9 +14,9 @@ import time
 import torch
 
 import ds_odc  # noqa: F401  (installs the odc config key before any engine is built)
-from ds_odc.loss import global_mean_weight, token_loss_sum
+from ds_odc.training.loss import global_mean_weight, token_loss_sum
 from _support.launch import emit, init_test_ranks
-from ds_odc.distributed import shutdown_and_exit
+from ds_odc.training.distributed import shutdown_and_exit
 
 sys.path.insert(0, os.path.dirname(__file__))
 import _workload  # noqa: E402

@@ -4,7 +4,7 @@
 ``shutdown_and_exit()`` (or ``shutdown()``, when ``atexit`` handlers such as a logger's must still run) as its last
 line::
 
-    from ds_odc.distributed import init_distributed, shutdown_and_exit
+    from ds_odc.training.distributed import init_distributed, shutdown_and_exit
 
     init_distributed()
     ...  # deepspeed.initialize, training
