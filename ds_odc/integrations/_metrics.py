@@ -1,6 +1,6 @@
 """Balance metrics for trainer logs (``odc/*``): the steps of one logging window, as :mod:`ds_odc.training.metrics` counts
 them (the same busy time, step time and bubble as ``examples/sft.py``), plus the automatic cost's coefficients
-and its predicted against measured step time."""
+and its predicted against measured step time, and for RL the generation phase."""
 
 from __future__ import annotations
 
@@ -18,10 +18,14 @@ class BalanceMeter:
 
     def reset(self) -> None:
         self.records: list[StepRecord] = []
+        self.generation: list[tuple[float, int]] = []
 
-    def add(self, record: StepRecord) -> None:
-        """One optimizer step (every rank adds the same gathered record)."""
+    def add(self, record: StepRecord, generation: tuple[float, int] | None = None) -> None:
+        """One optimizer step (every rank adds the same gathered record). ``generation``: the slowest rank's
+        generation seconds and all ranks' new tokens since the previous step, for trainers that generate."""
         self.records.append(record)
+        if generation is not None:
+            self.generation.append(generation)
 
     def summary(self) -> dict[str, float]:
         """Metrics of the steps since the last :meth:`reset` (empty if none)."""
@@ -37,6 +41,8 @@ class BalanceMeter:
             "odc/tokens_per_second": sum(p.tokens for r in steps for p in r.per_rank) / total,
             "odc/step_seconds": total / n,
             "odc/busy_seconds_max_rank": max(sum(r.per_rank[k].busy_s for r in steps) for k in range(W)) / n,
+            "odc/step_wait_seconds": sum(p.wait_s for r in steps for p in r.per_rank) / (n * W),
+            "odc/step_wait_seconds_max_rank": max(p.wait_s for r in steps for p in r.per_rank),
             "odc/microbatches_min_rank": min(mbs),
             "odc/microbatches_max_rank": max(mbs),
         }
@@ -50,6 +56,10 @@ class BalanceMeter:
             if predicted:
                 out["odc/cost_predicted_busy_seconds"] = sum(c["predicted_step_s"] for c in predicted) / len(predicted)
                 out["odc/cost_measured_busy_seconds"] = sum(c["measured_step_s"] for c in predicted) / len(predicted)
+        seconds = sum(s for s, _ in self.generation)
+        if seconds > 0:
+            out["odc/generation_seconds"] = seconds / n
+            out["odc/generation_tokens_per_second"] = sum(t for _, t in self.generation) / seconds
         if self.data:
             out.update(self.data)
             self.data = {}

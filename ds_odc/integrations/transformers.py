@@ -6,7 +6,7 @@ split over the ranks by LB-Mini (:mod:`ds_odc.balancer`): each rank gets a diffe
 included), each microbatch at most ``max_tokens_per_microbatch`` tokens. Without ``odc`` every method below defers to
 the stock ``Trainer``.
 
-How it plugs in (public ``Trainer`` methods only; see docs/HF_TRAINER.md):
+How it plugs in (see docs/HF_TRAINER.md):
 
 * the train loader yields one *pack* per optimizer step: this rank's microbatches of the step, from the same global
   plan on every rank (no communication). ``TrainingArguments.gradient_accumulation_steps`` becomes 1 on the trainer's
@@ -14,7 +14,15 @@ How it plugs in (public ``Trainer`` methods only; see docs/HF_TRAINER.md):
 * ``get_batch_samples`` counts the pack's label tokens and sums them over ranks (the Trainer's one all-gather per
   step), so ``num_items_in_batch`` is the global token count and the loss the global token mean, as stock;
 * ``training_step`` runs the pack's microbatches through the stock ``training_step`` with gradient sync off (ODC
-  pushes gradients as they come), then takes DeepSpeed's step at an explicit accumulation boundary: ranks meet there.
+  pushes gradients as they come), then takes DeepSpeed's step at an explicit accumulation boundary: ranks meet there
+  (the step loop and the logs are shared with ``OdcGRPOTrainer``: :mod:`ds_odc.integrations._step`).
+
+Overridden public ``Trainer`` methods: ``get_train_dataloader``, ``get_total_train_batch_size``,
+``get_batch_samples``, ``training_step``, ``compute_loss``, ``floating_point_ops``, ``log``, ``train``,
+``save_model``. The Trainer and Accelerate privates it needs besides (``_prepare_inputs``,
+``_remove_unused_columns``, ``_loss_shifts_labels``, ``save_model``'s ``_internal_call``, Accelerate's
+``_set_sync_gradients``) are listed, with the reason for each, in :mod:`ds_odc.integrations._hf_privates` and
+checked when this module is imported.
 """
 
 from __future__ import annotations
@@ -35,13 +43,15 @@ from ds_odc.training.collate import PackedCollator
 from ds_odc.balancer.sampler import BalancedBatchSampler, lengths_from_dataset, sq_lengths_from_dataset
 from ds_odc.config import odc_config_from_ds_config
 from ds_odc.balancer.checks import check_label_lengths
+from ds_odc.integrations._hf_privates import check_transformers, loss_shifts_labels, remove_unused_columns
 from ds_odc.integrations._metrics import BalanceMeter
 from ds_odc.integrations._packs import Pack, PackBatchSampler, PackCollator, PackDataset
+from ds_odc.integrations._step import OdcStep
 from ds_odc.training.attention import ATTENTION_NAME, remember_host_boundaries
 from ds_odc.training.loss import DEFAULT_CHUNK_TOKENS, count_loss_tokens, use_chunked_loss
-from ds_odc.training.metrics import StepClock, gather_step
 
 ds_odc.patch()  # the `odc` key must parse before TrainingArguments / zero.Init read the ds_config
+check_transformers()
 
 logger = logging.get_logger(__name__)
 
@@ -65,7 +75,7 @@ def odc_enabled(args) -> bool:
     return config is not None and bool(odc_config_from_ds_config(config).enabled)
 
 
-class OdcTrainer(Trainer):
+class OdcTrainer(OdcStep, Trainer):
     """``transformers.Trainer`` that trains with ODC + LB-Mini when the ds_config turns ``odc`` on.
 
     Extra keyword arguments (all optional):
@@ -163,8 +173,8 @@ class OdcTrainer(Trainer):
                              "a map-style train_dataset with a length column")
         # Before column removal drops a length column; every sample is checked here, before the first step.
         lengths, sq_lengths = _dataset_lengths(dataset, self.odc_length_column)
-        if self.args.remove_unused_columns and hasattr(self, "_remove_unused_columns") and hasattr(dataset, "column_names"):
-            dataset = self._remove_unused_columns(dataset, description="training")  # what the stock loader does
+        if self.args.remove_unused_columns and hasattr(dataset, "column_names"):
+            dataset = remove_unused_columns(self, dataset)  # what the stock loader does
         seed = self.args.data_seed if self.args.data_seed is not None else self.args.seed
         workers = self.args.dataloader_num_workers
         # Loader workers draw minibatches ahead of training: plans then use a fit that many steps older, the same
@@ -217,7 +227,7 @@ class OdcTrainer(Trainer):
         if not packs:
             return packs, None
         # Every rank holds a pack (same plan length), so this gather is one per step on every rank, like stock's.
-        shifted = getattr(self, "_loss_shifts_labels", True)
+        shifted = loss_shifts_labels(self)
         local = [sum(count_loss_tokens(mb, shifted=shifted) for p in packs for mb in p.microbatches),
                  float(any("labels" in mb or "shift_labels" in mb for p in packs for mb in p.microbatches))]
         counts = torch.tensor(local, dtype=torch.float64, device=device)
@@ -236,33 +246,21 @@ class OdcTrainer(Trainer):
             return super().training_step(model, inputs, num_items_in_batch)
         pack = inputs
         self._odc_check_position(pack)
-        engine = self.model_wrapped  # the DeepSpeedEngine
-        state = self.accelerator.gradient_state
-        clock = StepClock()
-        clock.start()
-        total = torch.zeros((), device=self.args.device)
-        for mb in pack.microbatches:
-            # Sync off: Accelerate then marks no boundary and does not step; ODC pushes this microbatch's gradients.
-            state._set_sync_gradients(False)
-            self._odc_pack_microbatch = mb
-            total = total + super().training_step(model, self._odc_model_inputs(mb), num_items_in_batch)
+
+        def train_one(mb):
+            self._odc_pack_microbatch = mb  # compute_loss reweights by its label tokens when the model cannot
+            return super(OdcTrainer, self).training_step(model, self._odc_model_inputs(mb), num_items_in_batch)
+
+        times = self._odc_train_step(pack.microbatches, train_one)
         self._odc_pack_microbatch = None
-        state._set_sync_gradients(True)
-        # The one meeting per step: every rank, with any number of microbatches (0 too), steps once at a boundary.
-        engine.set_gradient_accumulation_boundary(True)
-        engine.step()
-        busy, step_time = clock.finish(getattr(engine.optimizer, "odc_wait_s", 0.0))
-        sampler = self.odc_pack_sampler.sampler
-        tokens, sq_tokens = sampler.load(pack.sample_ids)
-        # Every rank gets every rank's numbers: the same record, so the same cost refit and the same next plans.
-        record = gather_step(0.0, busy, step_time, len(pack.microbatches), tokens, pack.num_samples,
-                             sq_tokens=sq_tokens)
-        update = sampler.observe(record)
-        if update is not None:
-            record.cost = update.as_dict()
-        self.odc_meter.add(record)
+        tokens, sq_tokens = self.odc_pack_sampler.sampler.load(pack.sample_ids)
+        self._odc_meet(times, tokens, sq_tokens, pack.num_samples)
         self._odc_position = (pack.epoch, pack.step + 1)
-        return total.detach()
+        return times.loss.detach()
+
+    def _odc_observe_cost(self, record):
+        # Every rank gets every rank's numbers: the same record, so the same cost refit and the same next plans.
+        return self.odc_pack_sampler.sampler.observe(record)
 
     def compute_loss(self, model, inputs, return_outputs=False, num_items_in_batch=None):
         out = super().compute_loss(model, inputs, return_outputs=return_outputs, num_items_in_batch=num_items_in_batch)
@@ -272,7 +270,7 @@ class OdcTrainer(Trainer):
         # The model averaged over this microbatch's tokens only (it takes no num_items_in_batch): reweight it to its
         # share of the global token mean, times W for ZeRO's averaging over ranks.
         loss = out[0] if return_outputs else out
-        n_local = count_loss_tokens(self._odc_pack_microbatch, shifted=getattr(self, "_loss_shifts_labels", True))
+        n_local = count_loss_tokens(self._odc_pack_microbatch, shifted=loss_shifts_labels(self))
         scale = n_local / max(int(self._odc_global_label_tokens), 1)
         if self.args.average_tokens_across_devices:
             scale *= self.args.world_size
@@ -306,13 +304,6 @@ class OdcTrainer(Trainer):
             raise RuntimeError(f"ds_odc: the Trainer is at optimizer step {self.state.global_step} (epoch {expected[0]},"
                                f" minibatch {expected[1]}) but the loader gave minibatch {pack.step} of epoch "
                                f"{pack.epoch}")
-
-    # -- logs -----------------------------------------------------------------------------------------------------------
-    def log(self, logs: dict[str, float], *args, **kwargs) -> None:
-        if self.odc and self.odc_meter is not None and "loss" in logs:
-            logs.update(self.odc_meter.summary())
-            self.odc_meter.reset()
-        super().log(logs, *args, **kwargs)
 
     # -- checkpoints ------------------------------------------------------------------------------------------------
     def train(self, resume_from_checkpoint=None, *args, **kwargs):

@@ -16,48 +16,40 @@ forward per microbatch), weighted by what TRL's normalisation gives that sample 
 it in (its size, or its loss-token count for ``bnpo``); the sum over all ranks is TRL's loss whatever rank trains
 which sample. Without ``odc`` in the config every method defers to ``GRPOTrainer``. See docs/RL.md.
 
-TRL internals this relies on (checked at import; tested with trl 1.16): ``_generate_single_turn``,
-``_generate_and_score_completions``, ``_get_per_token_logps_and_entropies``, ``_compute_loss``, ``_metrics``,
-``_step``.
+The step loop and the logs are shared with ``OdcTrainer`` (:mod:`ds_odc.integrations._step`). The TRL privates this
+relies on (``_generate_single_turn``, ``_generate_and_score_completions``, ``_get_per_token_logps_and_entropies``,
+``_compute_loss``, ``_metrics``, ``_step``) and the Accelerate ones are listed, each with its reason, in
+:mod:`ds_odc.integrations._hf_privates`, and checked when this module is imported (tested with trl 1.16).
 """
 
 from __future__ import annotations
 
-import contextlib
 import math
 import time
 from collections import defaultdict, deque
 from typing import Any
 
 import torch
-import torch.distributed as dist
 from trl import GRPOTrainer
 from trl.trainer.utils import shuffle_sequence_dict
 
 import ds_odc
 from ds_odc.integrations import _rollout as rollout
+from ds_odc.integrations._hf_privates import TRL_GRPO_PRIVATES, check_trl, rank_local_collectives
 from ds_odc.integrations._metrics import BalanceMeter
+from ds_odc.integrations._step import OdcStep
 from ds_odc.integrations.generation import RESIDENCIES, is_odc_engine, lockstep_free
 from ds_odc.integrations.transformers import odc_enabled
-from ds_odc.training.metrics import StepClock, record_from_rows
 
 __all__ = ["OdcGRPOTrainer", "LOSS_WEIGHTS"]
 
-_TRL_SEAMS = ("_generate_single_turn", "_generate_and_score_completions", "_get_per_token_logps_and_entropies",
-              "_compute_loss")
-_missing = [name for name in _TRL_SEAMS if not hasattr(GRPOTrainer, name)]
-if _missing:
-    import trl
-    raise ImportError(f"ds_odc: OdcGRPOTrainer needs GRPOTrainer.{', '.join(_missing)}, which trl {trl.__version__} "
-                      "lacks; it is tested with trl 1.16 (pip install 'trl>=1.16,<1.17')")
+check_trl(GRPOTrainer, TRL_GRPO_PRIVATES)
 
 # How TRL normalises one sample's term inside its microbatch of B rows: "rows" = divides by the rows of the
 # microbatch (a mean over sequences), "tokens" = by the microbatch's loss tokens, "global" = by a count that does not
 # depend on the microbatch (num_items_in_batch). Each sample's own loss, computed alone, is rescaled accordingly.
 LOSS_WEIGHTS = {"grpo": "rows", "sapo": "rows", "dr_grpo": "rows", "luspo": "rows", "bnpo": "tokens",
                 "dapo": "global", "cispo": "global", "vespo": "global"}
-
-_STATS = 7  # busy_s, step_s, microbatches, tokens, wait_s, generation_s, generated tokens
 
 
 def _refusals(args, trainer_kwargs: dict) -> list[str]:
@@ -86,7 +78,7 @@ def _refusals(args, trainer_kwargs: dict) -> list[str]:
     return out
 
 
-class OdcGRPOTrainer(GRPOTrainer):
+class OdcGRPOTrainer(OdcStep, GRPOTrainer):
     """``trl.GRPOTrainer`` that generates lockstep-free and trains with ODC + LB-Mini when the config turns ODC on.
 
     Extra keyword arguments (all optional):
@@ -133,7 +125,6 @@ class OdcGRPOTrainer(GRPOTrainer):
         self._odc_rollout: tuple[rollout.RolloutPlan, dict[int, rollout.Sample]] | None = None
         self._odc_served: tuple[torch.Tensor, torch.Tensor] | None = None
         self._odc_generation = [0.0, 0]  # seconds and new tokens since the last optimizer step, this rank
-        self._odc_window = {"wait": 0.0, "wait_max": 0.0, "gen_s": 0.0, "gen_tokens": 0, "steps": 0}
         self.odc_microbatch_history = deque(maxlen=1000)  # microbatches per rank, recent optimizer steps
         if self.odc and self.ref_model is not None and self.args.sync_ref_model:
             raise ValueError("ds_odc: sync_ref_model=True is not tested with ODC yet; set sync_ref_model=False")
@@ -190,35 +181,35 @@ class OdcGRPOTrainer(GRPOTrainer):
         return plan, samples
 
     def _odc_train_share(self, model, plan, samples, microbatches) -> torch.Tensor:
-        engine = self.model_wrapped
-        state = self.accelerator.gradient_state
         model.train()
-        clock = StepClock()
-        clock.start()
-        total = torch.zeros((), device=self.args.device)
         tokens = 0
         scratch = defaultdict(list)
-        with self._odc_rank_local_metrics(scratch):
-            for ids in microbatches:
-                state._set_sync_gradients(False)  # Accelerate marks no boundary and does not step; ODC pushes grads
-                inputs = rollout.collate([samples[g] for g in ids], self._tokenizer.pad_token_id,
-                                         self.pad_to_multiple_of)
-                if self._odc_num_items is not None:
-                    inputs["num_items_in_batch"] = self._odc_num_items
-                tokens += int(inputs["prompt_ids"].numel() + inputs["completion_ids"].numel())
-                with self.compute_loss_context_manager():
-                    loss = self._odc_microbatch_loss(model, plan, ids, inputs)
-                self.accelerator.backward(loss, scale_wrt_gas=False)
-                total = total + loss.detach()
-        state._set_sync_gradients(True)
-        # The one meeting per step: every rank, whatever its microbatch count (0 too), steps once at a boundary.
-        engine.set_gradient_accumulation_boundary(True)
-        engine.step()
-        # ds_odc.training.metrics' busy time, as every front end counts it: the step's wall time less the wait for peers.
-        busy, step_time = clock.finish(float(getattr(engine.optimizer, "odc_wait_s", 0.0)))
-        self._odc_end_of_step(scratch, busy, step_time, len(microbatches), tokens,
-                              sum(len(ids) for ids in microbatches))
-        return total
+
+        def train_one(ids):
+            nonlocal tokens
+            inputs = rollout.collate([samples[g] for g in ids], self._tokenizer.pad_token_id, self.pad_to_multiple_of)
+            if self._odc_num_items is not None:
+                inputs["num_items_in_batch"] = self._odc_num_items
+            tokens += int(inputs["prompt_ids"].numel() + inputs["completion_ids"].numel())
+            with self.compute_loss_context_manager():
+                loss = self._odc_microbatch_loss(model, plan, ids, inputs)
+            self.accelerator.backward(loss, scale_wrt_gas=False)
+            return loss.detach()
+
+        metrics = self._metrics["train"]
+        self._metrics["train"] = scratch  # TRL's loss records per-microbatch metrics here, rank-locally
+        try:
+            with rank_local_collectives(self.accelerator):
+                times = self._odc_train_step(microbatches, train_one)
+        finally:
+            self._metrics["train"] = metrics
+        generation, self._odc_generation = tuple(self._odc_generation), [0.0, 0]
+        everyone = self._odc_meet(times, tokens, 0.0, self._odc_step_samples(), payload=dict(scratch),
+                                  generation=generation)
+        self.odc_microbatch_history.append([r.microbatches for r in self.odc_meter.records[-1].per_rank])
+        self._metrics["train"]["step_time"].append(times.step_s)
+        self._odc_combine_metrics(everyone)
+        return times.loss
 
     def _odc_microbatch_loss(self, model, plan, ids, inputs) -> torch.Tensor:
         """One batched forward; then TRL's loss of each sample alone, weighted as in its stock microbatch."""
@@ -256,81 +247,19 @@ class OdcGRPOTrainer(GRPOTrainer):
                                f"{input_ids.shape[0]} x {logits_to_keep} completion tokens")
         return logps, (entropies if kwargs.get("compute_entropy") else None), None
 
-    @contextlib.contextmanager
-    def _odc_rank_local_metrics(self, scratch):
-        """TRL's loss reduces its metrics across ranks on every microbatch: with uneven counts that would hang.
-        Inside, reductions are rank-local and metrics land in ``scratch``; they are combined at the step."""
-        accelerator = self.accelerator
-        metrics = self._metrics["train"]
-        accelerator.reduce = lambda tensor, *args, **kwargs: tensor
-        accelerator.gather = lambda tensor, *args, **kwargs: tensor
-        self._metrics["train"] = scratch
-        try:
-            yield
-        finally:
-            del accelerator.reduce, accelerator.gather
-            self._metrics["train"] = metrics
-
-    def _odc_end_of_step(self, scratch, busy, step_time, microbatches, tokens, samples) -> None:
-        """At the step, where ranks meet: one all-gather of the balance numbers, one of the metric names, and one
-        all-reduce of the metric sums; then per-step metrics as TRL logs them."""
-        W = self.args.world_size
-        wait = float(getattr(self.model_wrapped.optimizer, "odc_wait_s", 0.0))
-        gen_s, gen_tokens = self._odc_generation
-        self._odc_generation = [0.0, 0]
-        local = torch.tensor([busy, step_time, microbatches, tokens, wait, gen_s, gen_tokens], dtype=torch.float64,
-                             device=self.args.device)
-        rows = self.accelerator.gather(local).reshape(W, _STATS).cpu()
-        self.odc_meter.add(record_from_rows([[0.0, b, s, m, t, 0.0] for b, s, m, t in rows[:, :4].tolist()],
-                                            num_samples=int(self._odc_step_samples())))
-        self.odc_microbatch_history.append([int(x) for x in rows[:, 2]])
-        window = self._odc_window
-        window["steps"] += 1
-        window["wait"] += float(rows[:, 4].mean())
-        window["wait_max"] = max(window["wait_max"], float(rows[:, 4].max()))
-        window["gen_s"] += float(rows[:, 5].max())
-        window["gen_tokens"] += int(rows[:, 6].sum())
-        self._metrics["train"]["step_time"].append(step_time)
-        self._odc_reduce_metrics(scratch)
-
-    def _odc_reduce_metrics(self, scratch) -> None:
+    def _odc_combine_metrics(self, everyone: list[dict]) -> None:
         """Each metric TRL's loss recorded per sample, combined over all ranks' samples of the step: ``*_min`` and
-        ``*_max`` keys by min / max, the rest by mean. Names first (a rank may have trained nothing)."""
-        names = [None] * self.args.world_size
-        dist.all_gather_object(names, sorted(scratch))
-        names = sorted(set().union(*names))
-        device = self.args.device
-        values = {n: [v for v in scratch.get(n, []) if not math.isnan(v)] for n in names}
-        means = [n for n in names if not n.endswith(("_min", "_max"))]
-        sums = torch.tensor([[sum(values[n]), len(values[n])] for n in means], dtype=torch.float64,
-                            device=device).reshape(-1, 2)
-        lows = torch.tensor([min(values[n], default=math.inf) for n in names if n.endswith("_min")],
-                            dtype=torch.float64, device=device)
-        highs = torch.tensor([max(values[n], default=-math.inf) for n in names if n.endswith("_max")],
-                             dtype=torch.float64, device=device)
-        dist.all_reduce(sums)
-        dist.all_reduce(lows, op=dist.ReduceOp.MIN)
-        dist.all_reduce(highs, op=dist.ReduceOp.MAX)
-        out = {n: (float(s / c) if c > 0 else math.nan) for n, (s, c) in zip(means, sums.tolist())}
-        out.update(zip([n for n in names if n.endswith("_min")], lows.tolist()))
-        out.update(zip([n for n in names if n.endswith("_max")], highs.tolist()))
+        ``*_max`` keys by min / max, the rest by mean."""
+        names = sorted(set().union(*everyone))
         for name in names:
-            self._metrics["train"][name].append(out[name])
+            values = [v for scratch in everyone for v in scratch.get(name, []) if not math.isnan(v)]
+            if name.endswith("_min"):
+                value = min(values, default=math.nan)
+            elif name.endswith("_max"):
+                value = max(values, default=math.nan)
+            else:
+                value = sum(values) / len(values) if values else math.nan
+            self._metrics["train"][name].append(value)
 
     def _odc_step_samples(self) -> int:
         return self.args.per_device_train_batch_size * self.current_gradient_accumulation_steps * self.args.world_size
-
-    # -- logs -------------------------------------------------------------------------------------------------------
-    def log(self, logs: dict[str, float], *args, **kwargs) -> None:
-        if self.odc and self.odc_meter is not None and "loss" in logs:
-            logs.update(self.odc_meter.summary())
-            self.odc_meter.reset()
-            window = self._odc_window
-            if window["steps"]:
-                logs["odc/step_wait_seconds"] = window["wait"] / window["steps"]
-                logs["odc/step_wait_seconds_max_rank"] = window["wait_max"]
-                if window["gen_s"] > 0:
-                    logs["odc/generation_tokens_per_second"] = window["gen_tokens"] / window["gen_s"]
-                    logs["odc/generation_seconds"] = window["gen_s"] / window["steps"]
-            self._odc_window = {"wait": 0.0, "wait_max": 0.0, "gen_s": 0.0, "gen_tokens": 0, "steps": 0}
-        super().log(logs, *args, **kwargs)

@@ -1,0 +1,126 @@
+"""Every private of transformers, Accelerate and TRL that ds_odc's trainers use, in one place.
+
+The trainers override public ``Trainer`` methods wherever one exists; what follows is what they could not do without.
+Each entry says why. :func:`check_transformers` runs when :mod:`ds_odc.integrations.transformers` is imported and
+:func:`check_trl` when a TRL trainer is, so a library that renamed or removed one of them fails at import with a
+message naming the versions, never with an ``AttributeError`` in the middle of a run or a hang. DeepSpeed's privates
+live in :mod:`ds_odc.zero._deepspeed_privates`.
+
+Tested with transformers 5.17-5.24, accelerate 1.15 and trl 1.16.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import inspect
+
+__all__ = ["TRANSFORMERS_PRIVATES", "ACCELERATE_PRIVATES", "TRL_GRPO_PRIVATES", "TRL_SFT_PRIVATES",
+           "check_transformers", "check_trl", "set_sync_gradients", "loss_shifts_labels", "remove_unused_columns",
+           "rank_local_collectives"]
+
+TRL_SUPPORTED = ">=1.16,<1.17"
+
+# transformers.Trainer
+TRANSFORMERS_PRIVATES = {
+    "_prepare_inputs": "overridden by OdcTrainer: the one place where a batch's host copy and its device copy are both "
+                       "at hand, so the document lengths of packed rows are noted without a device-to-host copy",
+    "_remove_unused_columns": "called by OdcTrainer, which builds its own loader and drops columns as the stock one",
+    "_loss_shifts_labels": "read by OdcTrainer to count label tokens exactly as the stock get_batch_samples does",
+    "save_model(_internal_call)": "the keyword tells a checkpoint save from a user's call: only checkpoints get the "
+                                  "balancer state",
+}
+# accelerate.Accelerator / GradientState
+ACCELERATE_PRIVATES = {
+    "GradientState._set_sync_gradients": "the Trainer's loop sets it per microbatch; under ODC one Trainer step runs a "
+                                         "whole optimizer step, so the trainers set it around their own microbatches",
+}
+# trl.GRPOTrainer
+TRL_GRPO_PRIVATES = {
+    "_generate_single_turn": "overridden: generation runs inside lockstep_free instead of TRL's full-model gather",
+    "_generate_and_score_completions": "called: TRL's generation, rewards, advantages and old/reference log-probs of "
+                                       "one generation batch, before the batch is re-planned across ranks",
+    "_get_per_token_logps_and_entropies": "overridden: TRL's loss then reads the log-probs of the microbatch's one "
+                                          "forward (padded or packed), and packed rows score old/reference log-probs",
+    "_compute_loss": "called on each group of samples that shared a stock microbatch: TRL's own loss and metrics",
+    "_metrics": "redirected while ODC trains a step: TRL's metrics are combined over ranks once, at the step",
+    "_step": "TRL's microstep counter, which decides when to generate: advanced once per Trainer microstep",
+}
+# trl.SFTTrainer
+TRL_SFT_PRIVATES = {
+    "_metrics": "redirected while ODC trains a step: TRL's metrics are combined over ranks once, at the step",
+    "_total_train_tokens": "the running token count TRL logs as num_tokens, set from all ranks' tokens at the step",
+}
+
+
+def _missing(owner, names) -> list[str]:
+    out = []
+    for name in names:
+        attr, _, keyword = name.partition("(")
+        if not hasattr(owner, attr):
+            out.append(name)
+        elif keyword and keyword.rstrip(")") not in inspect.signature(getattr(owner, attr)).parameters:
+            out.append(name)
+    return out
+
+
+def check_transformers() -> None:
+    """Fail at import, with the versions, if transformers or Accelerate lacks a private the trainers use."""
+    import accelerate
+    import transformers
+    from accelerate.state import GradientState
+    from transformers import Trainer
+
+    missing = [f"Trainer.{n}" for n in _missing(Trainer, [n for n in TRANSFORMERS_PRIVATES if n != "_loss_shifts_labels"])]
+    missing += [f"accelerate.{n}" for n in ACCELERATE_PRIVATES if not hasattr(GradientState, n.split(".")[1])]
+    if missing:
+        raise ImportError(f"ds_odc: OdcTrainer needs {', '.join(missing)}, which transformers "
+                          f"{transformers.__version__} / accelerate {accelerate.__version__} lack; it is tested with "
+                          "transformers 5.17-5.24 and accelerate 1.15")
+
+
+def check_trl(trainer_cls, privates: dict) -> None:
+    """Fail at import, with the version, if TRL's ``trainer_cls`` lacks a private listed in ``privates``.
+    (``_metrics`` and the other instance attributes are set in ``__init__``; only methods are checked here.)"""
+    import trl
+    methods = [n for n in privates if not n.startswith("_metrics") and n not in ("_step", "_total_train_tokens")]
+    missing = _missing(trainer_cls, methods)
+    if missing:
+        raise ImportError(f"ds_odc: {trainer_cls.__name__} needs {', '.join(missing)}, which trl {trl.__version__} "
+                          f"lacks; ds_odc is tested with trl 1.16 (pip install 'trl{TRL_SUPPORTED}')")
+
+
+def set_sync_gradients(accelerator, value: bool) -> None:
+    """See ACCELERATE_PRIVATES: sync off, Accelerate marks no boundary and does not step (ODC pushes the gradients);
+    sync on, the next backward or explicit step is the boundary."""
+    accelerator.gradient_state._set_sync_gradients(value)
+
+
+def loss_shifts_labels(trainer) -> bool:
+    """See TRANSFORMERS_PRIVATES (absent before transformers 5: the causal-LM loss always shifted)."""
+    return getattr(trainer, "_loss_shifts_labels", True)
+
+
+def remove_unused_columns(trainer, dataset):
+    """See TRANSFORMERS_PRIVATES: what the stock train loader does to a ``datasets.Dataset``."""
+    return trainer._remove_unused_columns(dataset, description="training")
+
+
+@contextlib.contextmanager
+def rank_local_collectives(accelerator, on_reduce=None):
+    """Accelerate's ``reduce``, ``gather`` and ``gather_for_metrics`` return this rank's tensor unchanged inside the
+    block (instance attributes shadow the methods). Why: TRL's losses combine their metrics across ranks on every
+    microbatch, which deadlocks once ranks run different microbatch counts; the trainers combine them at the step.
+    ``on_reduce(tensor)`` sees every tensor TRL would have reduced (the sums behind its token means)."""
+    def reduce(tensor, *args, **kwargs):
+        if on_reduce is not None:
+            on_reduce(tensor)
+        return tensor
+
+    def local(tensor, *args, **kwargs):
+        return tensor
+
+    accelerator.reduce, accelerator.gather, accelerator.gather_for_metrics = reduce, local, local
+    try:
+        yield
+    finally:
+        del accelerator.reduce, accelerator.gather, accelerator.gather_for_metrics
