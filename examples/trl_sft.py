@@ -1,15 +1,14 @@
-"""TRL's SFTTrainer with ds_odc (ODC + LB-Mini): ``OdcSFTTrainer = OdcTrainer + SFTTrainer``.
+"""TRL's SFTTrainer with ds_odc (ODC + LB-Mini): ``ds_odc.integrations.trl_sft.OdcSFTTrainer``.
 
 CPU (tiny random model, a character tokenizer built in code, synthetic prompt/completion text; nothing downloaded):
     torchrun --standalone --nproc_per_node 2 examples/trl_sft.py
     torchrun --standalone --nproc_per_node 2 examples/trl_sft.py --no-odc    # stock SFTTrainer + ZeRO-3
     accelerate launch --config_file ds_configs/accelerate_zero3_odc_cpu.yaml examples/trl_sft.py
 
-One TRL-specific shim: SFTTrainer.compute_loss all-gathers its token-accuracy / entropy / token-count metrics on
-every microbatch. Those collectives would deadlock as soon as ranks run different numbers of microbatches, so during
-ODC training they are computed rank-locally (the logged entropy / mean_token_accuracy / num_tokens are rank 0's own).
-The loss and gradients are untouched: SFTTrainer normalises by ``num_items_in_batch``, which OdcTrainer makes the
-global completion-token count. Needs ``pip install trl`` (tested with trl 1.16).
+``OdcSFTTrainer`` is ``OdcTrainer`` + ``SFTTrainer``: each microbatch is collated by SFT's own collator (prompts
+masked, padding-free rows), and the metrics SFTTrainer logs (entropy, mean_token_accuracy, num_tokens) are the values
+stock SFTTrainer would log for the same minibatches, although ranks train different numbers of microbatches.
+Needs ``pip install trl`` (tested with trl 1.16).
 """
 
 from __future__ import annotations
@@ -50,26 +49,6 @@ def synthetic_pairs(n: int, seed: int = 0):
     return Dataset.from_dict({"prompt": prompts, "completion": completions})
 
 
-def make_trainer_class():
-    from trl import SFTTrainer
-
-    from ds_odc.integrations.transformers import OdcTrainer
-
-    class OdcSFTTrainer(OdcTrainer, SFTTrainer):
-        def compute_loss(self, model, inputs, return_outputs=False, num_items_in_batch=None):
-            if not (self.odc and model.training):
-                return super().compute_loss(model, inputs, return_outputs, num_items_in_batch)
-            accelerator = self.accelerator
-            # Rank-local metrics: an instance attribute shadows the method for this call only.
-            accelerator.gather_for_metrics = lambda t, *a, **k: t.reshape(-1) if torch.is_tensor(t) else t
-            try:
-                return super().compute_loss(model, inputs, return_outputs, num_items_in_batch)
-            finally:
-                del accelerator.gather_for_metrics
-
-    return OdcSFTTrainer
-
-
 def main():
     args = parse_args()
     init_distributed()
@@ -96,14 +75,15 @@ def main():
         output_dir=args.output_dir, per_device_train_batch_size=args.per_device_batch,
         gradient_accumulation_steps=args.grad_accum, max_steps=args.max_steps, learning_rate=3e-4,
         logging_steps=1, save_strategy="no", report_to=[], use_cpu=not torch.cuda.is_available(),
+        bf16=torch.cuda.is_available(),  # TRL's default is bf16, which on CPU means slow bf16 autocast
         optim="adamw_torch", seed=0, disable_tqdm=True, max_length=None, padding_free=True,
         deepspeed=deepspeed_config,
     )
     data = synthetic_pairs(args.num_samples)
     if args.odc or accelerate_config:  # OdcSFTTrainer defers to SFTTrainer when the config has no odc
-        trainer = make_trainer_class()(model, config, train_dataset=data, processing_class=tokenizer,
-                                       max_tokens_per_microbatch=args.max_tokens, microbatch_collator="trainer",
-                                       packed_attention=True)
+        from ds_odc.integrations.trl_sft import OdcSFTTrainer
+        trainer = OdcSFTTrainer(model, config, train_dataset=data, processing_class=tokenizer,
+                                max_tokens_per_microbatch=args.max_tokens)
     else:
         trainer = SFTTrainer(model, config, train_dataset=data, processing_class=tokenizer)
     result = trainer.train()

@@ -1,16 +1,18 @@
 """Trainer integrations of ds_odc.
 
 ``from ds_odc.integrations import OdcTrainer`` (the Hugging Face ``Trainer`` with ODC + LB-Mini, docs/HF_TRAINER.md),
-``OdcGRPOTrainer`` (TRL's ``GRPOTrainer`` with lockstep-free generation and LB-Mini over rollouts, docs/RL.md) and
+``OdcSFTTrainer`` (TRL's ``SFTTrainer`` on top of ``OdcTrainer``), ``OdcGRPOTrainer`` (TRL's ``GRPOTrainer`` with
+lockstep-free generation and LB-Mini over rollouts, docs/RL.md) and
 ``lockstep_free`` (generation under ZeRO-3 + ODC without collectives). Imported lazily so ``import ds_odc`` never
 pulls in transformers or TRL.
 """
 
 from __future__ import annotations
 
-__all__ = ["OdcTrainer", "OdcGRPOTrainer", "lockstep_free"]
+__all__ = ["OdcTrainer", "OdcSFTTrainer", "OdcGRPOTrainer", "lockstep_free"]
 
-_WHERE = {"OdcTrainer": "ds_odc.integrations.transformers", "OdcGRPOTrainer": "ds_odc.integrations.trl_grpo",
+_WHERE = {"OdcTrainer": "ds_odc.integrations.transformers", "OdcSFTTrainer": "ds_odc.integrations.trl_sft",
+          "OdcGRPOTrainer": "ds_odc.integrations.trl_grpo",
           "lockstep_free": "ds_odc.integrations.generation"}
 
 

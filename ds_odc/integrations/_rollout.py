@@ -54,6 +54,11 @@ class RolloutPlan:
                     out[mb] = rank
         return out
 
+    def stock_microbatch(self, g: int) -> tuple[int, int]:
+        """(rank that generated sample ``g``, slot): the stock trainer trains ``g`` on that rank in its accumulation
+        step (its *slot*) ``i // B`` of the generation batch, ``i`` being ``g``'s row there."""
+        return g // self.rows, (g % self.rows) // self.batch_rows
+
     def stock_microbatch_loss_tokens(self, g: int) -> int:
         """Loss tokens of the stock microbatch that sample ``g`` belongs to."""
         start = (g // self.batch_rows) * self.batch_rows

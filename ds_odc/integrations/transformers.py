@@ -134,6 +134,7 @@ class OdcTrainer(OdcStep, Trainer):
         self._odc_position: tuple[int, int] | None = None  # (epoch, next step) after the last trained pack
         self._odc_global_label_tokens: torch.Tensor | None = None
         self._odc_pack_microbatch: dict | None = None  # the raw microbatch compute_loss is working on
+        self._odc_pack_ids: list[int] | None = None  # the dataset rows of that microbatch, in order
 
     def _odc_prepare_model(self, packed_attention: bool | None, loss_chunk_tokens: int | None) -> None:
         model, config = self.model, getattr(self.model, "config", None)
@@ -247,16 +248,28 @@ class OdcTrainer(OdcStep, Trainer):
         pack = inputs
         self._odc_check_position(pack)
 
-        def train_one(mb):
-            self._odc_pack_microbatch = mb  # compute_loss reweights by its label tokens when the model cannot
-            return super(OdcTrainer, self).training_step(model, self._odc_model_inputs(mb), num_items_in_batch)
+        def train_one(microbatch):
+            # compute_loss reweights by the microbatch's label tokens when the model cannot (and subclasses read
+            # which samples it holds)
+            self._odc_pack_microbatch, self._odc_pack_ids = microbatch
+            return super(OdcTrainer, self).training_step(model, self._odc_model_inputs(microbatch[0]),
+                                                         num_items_in_batch)
 
-        times = self._odc_train_step(pack.microbatches, train_one)
-        self._odc_pack_microbatch = None
+        payload = self._odc_begin_step(pack)
+        times = self._odc_train_step(zip(pack.microbatches, pack.sample_ids), train_one)
+        self._odc_pack_microbatch = self._odc_pack_ids = None
         tokens, sq_tokens = self.odc_pack_sampler.sampler.load(pack.sample_ids)
-        self._odc_meet(times, tokens, sq_tokens, pack.num_samples)
+        everyone = self._odc_meet(times, tokens, sq_tokens, pack.num_samples, payload=payload)
+        self._odc_end_step(pack, everyone)
         self._odc_position = (pack.epoch, pack.step + 1)
         return times.loss.detach()
+
+    def _odc_begin_step(self, pack: Pack):
+        """Before a pack's microbatches: what this rank sends to the others at the step (see ``_odc_end_step``)."""
+        return None
+
+    def _odc_end_step(self, pack: Pack, everyone: list) -> None:
+        """After the step's meeting, with every rank's ``_odc_begin_step`` object (filled during the step)."""
 
     def _odc_observe_cost(self, record):
         # Every rank gets every rank's numbers: the same record, so the same cost refit and the same next plans.

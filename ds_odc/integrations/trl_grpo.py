@@ -11,10 +11,13 @@ With ``"zero_optimization": {"stage": 3, "odc": true}`` in the DeepSpeed config 
    batch, see :mod:`ds_odc.integrations._rollout`); each rank trains its share in as many padded microbatches as
    its work needs, then all ranks meet once, at the optimizer step.
 
-The loss equals TRL's for every ``loss_type``: TRL's own per-sample loss code runs on each sample (from one batched
-forward per microbatch), weighted by what TRL's normalisation gives that sample in the microbatch TRL would have put
-it in (its size, or its loss-token count for ``bnpo``); the sum over all ranks is TRL's loss whatever rank trains
-which sample. Without ``odc`` in the config every method defers to ``GRPOTrainer``. See docs/RL.md.
+The loss equals TRL's for every ``loss_type``: TRL's own loss code runs on each group of samples that shared a stock
+microbatch (their log-probs taken from the microbatch's one forward), weighted by what TRL's normalisation gives that
+group in its stock microbatch (its share of the rows, or of the loss tokens for ``bnpo``: :data:`LOSS_WEIGHTS`); the
+sum over all ranks is TRL's loss whatever rank trains which sample. TRL's per-token metrics (``kl``, ``entropy``,
+``clip_ratio/*``, ...) are reconstructed for the stock microbatches too (:mod:`ds_odc.integrations._stock_metrics`),
+so the logs show the curves stock TRL shows. Without ``odc`` in the config every method defers to ``GRPOTrainer``.
+See docs/RL.md.
 
 The step loop and the logs are shared with ``OdcTrainer`` (:mod:`ds_odc.integrations._step`). The TRL privates this
 relies on (``_generate_single_turn``, ``_generate_and_score_completions``, ``_get_per_token_logps_and_entropies``,
@@ -24,12 +27,12 @@ relies on (``_generate_single_turn``, ``_generate_and_score_completions``, ``_ge
 
 from __future__ import annotations
 
-import math
 import time
-from collections import defaultdict, deque
+from collections import deque
 from typing import Any
 
 import torch
+from torch.nn.utils.rnn import pad_sequence
 from trl import GRPOTrainer
 from trl.trainer.utils import shuffle_sequence_dict
 
@@ -38,6 +41,7 @@ from ds_odc.integrations import _rollout as rollout
 from ds_odc.integrations._hf_privates import TRL_GRPO_PRIVATES, check_trl, rank_local_collectives
 from ds_odc.integrations._metrics import BalanceMeter
 from ds_odc.integrations._step import OdcStep
+from ds_odc.integrations._stock_metrics import SlotMetrics, combine
 from ds_odc.integrations.generation import RESIDENCIES, is_odc_engine, lockstep_free
 from ds_odc.integrations.transformers import odc_enabled
 
@@ -45,9 +49,9 @@ __all__ = ["OdcGRPOTrainer", "LOSS_WEIGHTS"]
 
 check_trl(GRPOTrainer, TRL_GRPO_PRIVATES)
 
-# How TRL normalises one sample's term inside its microbatch of B rows: "rows" = divides by the rows of the
+# How TRL normalises a group of samples inside its microbatch of B rows: "rows" = divides by the rows of the
 # microbatch (a mean over sequences), "tokens" = by the microbatch's loss tokens, "global" = by a count that does not
-# depend on the microbatch (num_items_in_batch). Each sample's own loss, computed alone, is rescaled accordingly.
+# depend on the microbatch (num_items_in_batch). TRL's loss of the group alone is rescaled accordingly.
 LOSS_WEIGHTS = {"grpo": "rows", "sapo": "rows", "dr_grpo": "rows", "luspo": "rows", "bnpo": "tokens",
                 "dapo": "global", "cispo": "global", "vespo": "global"}
 
@@ -94,7 +98,8 @@ class OdcGRPOTrainer(OdcStep, GRPOTrainer):
 
     def __init__(self, model, reward_funcs=None, args=None, *trainer_args, balancer_planner: str = "lb-mini",
                  max_tokens_per_microbatch: int | None = None, balancer_cost: Any = "tokens",
-                 generation_residency: str | None = None, max_resident_bytes: int | None = None, **trainer_kwargs):
+                 generation_residency: str | None = None,
+                 max_resident_bytes: int | None = None, **trainer_kwargs):
         ds_odc.patch()
         self.odc = args is not None and odc_enabled(args)
         if self.odc:
@@ -116,6 +121,8 @@ class OdcGRPOTrainer(OdcStep, GRPOTrainer):
                              + ("vision-language models (their image inputs are not moved between ranks yet)"
                                 if self._is_vlm else "the MoE router auxiliary loss (a per-microbatch term: set "
                                 "router_aux_loss_coef=0 or turn output_router_logits off)") + ". Turn ODC off for it.")
+        if self.odc and self.ref_model is not None and self.args.sync_ref_model:
+            raise ValueError("ds_odc: sync_ref_model=True is not tested with ODC yet; set sync_ref_model=False")
         self.odc_balancer = dict(planner=balancer_planner, cost=balancer_cost, max_tokens=max_tokens_per_microbatch)
         if generation_residency is None:
             generation_residency = "auto" if self.args.ds3_gather_for_generation else "block"
@@ -126,8 +133,6 @@ class OdcGRPOTrainer(OdcStep, GRPOTrainer):
         self._odc_served: tuple[torch.Tensor, torch.Tensor] | None = None
         self._odc_generation = [0.0, 0]  # seconds and new tokens since the last optimizer step, this rank
         self.odc_microbatch_history = deque(maxlen=1000)  # microbatches per rank, recent optimizer steps
-        if self.odc and self.ref_model is not None and self.args.sync_ref_model:
-            raise ValueError("ds_odc: sync_ref_model=True is not tested with ODC yet; set sync_ref_model=False")
 
     # -- generation ---------------------------------------------------------------------------------------------------
     def _generate_single_turn(self, prompt_ids, images, multimodal_fields, num_generations, has_tool_images=False):
@@ -181,85 +186,90 @@ class OdcGRPOTrainer(OdcStep, GRPOTrainer):
         return plan, samples
 
     def _odc_train_share(self, model, plan, samples, microbatches) -> torch.Tensor:
-        model.train()
-        tokens = 0
-        scratch = defaultdict(list)
+        metrics = SlotMetrics()
 
         def train_one(ids):
-            nonlocal tokens
-            inputs = rollout.collate([samples[g] for g in ids], self._tokenizer.pad_token_id, self.pad_to_multiple_of)
-            if self._odc_num_items is not None:
-                inputs["num_items_in_batch"] = self._odc_num_items
-            tokens += int(inputs["prompt_ids"].numel() + inputs["completion_ids"].numel())
             with self.compute_loss_context_manager():
-                loss = self._odc_microbatch_loss(model, plan, ids, inputs)
+                loss = self._odc_microbatch_loss(model, plan, [samples[g] for g in ids], metrics)
             self.accelerator.backward(loss, scale_wrt_gas=False)
             return loss.detach()
 
-        metrics = self._metrics["train"]
-        self._metrics["train"] = scratch  # TRL's loss records per-microbatch metrics here, rank-locally
+        logged = self._metrics["train"]
+        self._metrics["train"] = metrics.sink()  # TRL's loss logs here, rank-locally, by stock microbatch
         try:
-            with rank_local_collectives(self.accelerator):
+            with rank_local_collectives(self.accelerator, on_reduce=metrics.on_reduce):
                 times = self._odc_train_step(microbatches, train_one)
         finally:
-            self._metrics["train"] = metrics
+            self._metrics["train"] = logged
         generation, self._odc_generation = tuple(self._odc_generation), [0.0, 0]
-        everyone = self._odc_meet(times, tokens, 0.0, self._odc_step_samples(), payload=dict(scratch),
+        tokens = sum(int(plan.prompt_len[g] + plan.completion_len[g]) for mb in microbatches for g in mb)
+        everyone = self._odc_meet(times, tokens, 0.0, self._odc_step_samples(), payload=metrics.records,
                                   generation=generation)
         self.odc_microbatch_history.append([r.microbatches for r in self.odc_meter.records[-1].per_rank])
-        self._metrics["train"]["step_time"].append(times.step_s)
-        self._odc_combine_metrics(everyone)
+        for name, values in combine(everyone).items():  # one value per stock microbatch, as TRL appends them
+            logged[name].extend(values)
+        logged["step_time"].append(times.step_s)
         return times.loss
 
-    def _odc_microbatch_loss(self, model, plan, ids, inputs) -> torch.Tensor:
-        """One batched forward; then TRL's loss of each sample alone, weighted as in its stock microbatch."""
-        prompt_completion = torch.cat([inputs["prompt_ids"], inputs["completion_ids"]], dim=1)
-        attention = torch.cat([inputs["prompt_mask"], inputs["completion_mask"]], dim=1)
-        width = inputs["completion_ids"].shape[1]
-        logps, entropies, _ = super()._get_per_token_logps_and_entropies(model, prompt_completion, attention, width,
-                                                                         compute_entropy=True)
+    def _odc_microbatch_loss(self, model, plan, members: list[rollout.Sample], metrics: SlotMetrics) -> torch.Tensor:
+        """One forward for the microbatch; then TRL's loss of each group of its samples that shared a stock
+        microbatch, weighted as that group counts in its stock microbatch."""
+        logps, entropies = self._odc_completion_logps(model, members)
         kind = LOSS_WEIGHTS[self.loss_type]
         rows = self.args.per_device_train_batch_size
-        loss = logps.new_zeros(())
-        for row, g in enumerate(ids):
-            one = {k: (v[row:row + 1] if isinstance(v, torch.Tensor) and v.ndim > 0 else v) for k, v in inputs.items()}
-            self._odc_served = (logps[row:row + 1], entropies[row:row + 1])
+        groups: dict[tuple[int, int], list[int]] = {}
+        for i, sample in enumerate(members):
+            groups.setdefault(plan.stock_microbatch(sample.gid), []).append(i)
+        loss = logps[0].new_zeros(())
+        for (_, slot), index in groups.items():
+            group = [members[i] for i in index]
+            inputs = rollout.collate(group, self._tokenizer.pad_token_id)
+            if self._odc_num_items is not None:
+                inputs["num_items_in_batch"] = self._odc_num_items
+            width = inputs["completion_ids"].shape[1]
+            self._odc_served = (_rows([logps[i] for i in index], width), _rows([entropies[i] for i in index], width))
+            metrics.slot = slot
             try:
-                term = super()._compute_loss(model, one)
+                term = super()._compute_loss(model, inputs)
             finally:
                 self._odc_served = None
             if kind == "rows":
-                weight = 1.0 / rows
+                weight = len(group) / rows
             elif kind == "tokens":
-                weight = max(int(plan.loss_tokens[g]), 1) / max(plan.stock_microbatch_loss_tokens(g), 1)
+                weight = (max(int(sum(plan.loss_tokens[s.gid] for s in group)), 1)
+                          / max(plan.stock_microbatch_loss_tokens(group[0].gid), 1))
             else:
                 weight = 1.0
             loss = loss + term * weight
         return loss
 
-    def _get_per_token_logps_and_entropies(self, model, input_ids, attention_mask, logits_to_keep, *args, **kwargs):
-        if self._odc_served is None:
-            return super()._get_per_token_logps_and_entropies(model, input_ids, attention_mask, logits_to_keep,
-                                                              *args, **kwargs)
-        logps, entropies = self._odc_served  # one row of the microbatch's batched forward
-        if logps.shape != (input_ids.shape[0], logits_to_keep):
-            raise RuntimeError(f"ds_odc: served log-probs of shape {tuple(logps.shape)} for a batch of "
-                               f"{input_ids.shape[0]} x {logits_to_keep} completion tokens")
-        return logps, (entropies if kwargs.get("compute_entropy") else None), None
+    def _odc_completion_logps(self, model, members: list[rollout.Sample]):
+        """Each sample's completion log-probs and entropies (1-D, its completion length), from one forward."""
+        inputs = rollout.collate(members, self._tokenizer.pad_token_id, self.pad_to_multiple_of)
+        ids = torch.cat([inputs["prompt_ids"], inputs["completion_ids"]], dim=1)
+        mask = torch.cat([inputs["prompt_mask"], inputs["completion_mask"]], dim=1)
+        logps, entropies, _ = super()._get_per_token_logps_and_entropies(model, ids, mask,
+                                                                         inputs["completion_ids"].shape[1],
+                                                                         compute_entropy=True)
+        lengths = [len(s.completion["completion_mask"]) for s in members]
+        return [logps[r, :n] for r, n in enumerate(lengths)], [entropies[r, :n] for r, n in enumerate(lengths)]
 
-    def _odc_combine_metrics(self, everyone: list[dict]) -> None:
-        """Each metric TRL's loss recorded per sample, combined over all ranks' samples of the step: ``*_min`` and
-        ``*_max`` keys by min / max, the rest by mean."""
-        names = sorted(set().union(*everyone))
-        for name in names:
-            values = [v for scratch in everyone for v in scratch.get(name, []) if not math.isnan(v)]
-            if name.endswith("_min"):
-                value = min(values, default=math.nan)
-            elif name.endswith("_max"):
-                value = max(values, default=math.nan)
-            else:
-                value = sum(values) / len(values) if values else math.nan
-            self._metrics["train"][name].append(value)
+    def _get_per_token_logps_and_entropies(self, model, input_ids, attention_mask, logits_to_keep, batch_size=None,
+                                           compute_entropy=False, *args, **kwargs):
+        if self._odc_served is not None:
+            logps, entropies = self._odc_served  # the microbatch forward's log-probs of the samples TRL scores now
+            if logps.shape != (input_ids.shape[0], logits_to_keep):
+                raise RuntimeError(f"ds_odc: served log-probs of shape {tuple(logps.shape)} for a batch of "
+                                   f"{input_ids.shape[0]} x {logits_to_keep} completion tokens")
+            return logps, (entropies if compute_entropy else None), None
+        return super()._get_per_token_logps_and_entropies(model, input_ids, attention_mask, logits_to_keep,
+                                                          batch_size, compute_entropy, *args, **kwargs)
 
     def _odc_step_samples(self) -> int:
         return self.args.per_device_train_batch_size * self.current_gradient_accumulation_steps * self.args.world_size
+
+
+def _rows(values: list[torch.Tensor], width: int) -> torch.Tensor:
+    """1-D per-sample tensors as rows of ``width``, zero after each one's end."""
+    out = pad_sequence(values, batch_first=True)
+    return torch.nn.functional.pad(out, (0, width - out.shape[1])) if out.shape[1] < width else out[:, :width]

@@ -2,17 +2,21 @@
 
 from __future__ import annotations
 
+import contextlib
+import shutil
+import tempfile
+
 import torch
 
 VOCAB = 256
 
 
-def tiny_llama(seed: int = 0):
+def tiny_llama(seed: int = 0, vocab: int = VOCAB):
     """Random-init 2-layer Llama (about 40k params), built outside any zero.Init so copies start identical."""
     from transformers import LlamaConfig, LlamaForCausalLM
     torch.manual_seed(seed)
     config = LlamaConfig(hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4,
-                         num_key_value_heads=2, vocab_size=VOCAB, max_position_embeddings=256,
+                         num_key_value_heads=2, vocab_size=vocab, max_position_embeddings=256,
                          tie_word_embeddings=False, attn_implementation="sdpa")
     return LlamaForCausalLM(config)
 
@@ -49,3 +53,17 @@ def training_args(output_dir: str, odc: bool, **overrides):
 
 def logged(trainer, key: str) -> list[float]:
     return [entry[key] for entry in trainer.state.log_history if key in entry and "train_runtime" not in entry]
+
+
+@contextlib.contextmanager
+def shared_tmpdir(prefix: str):
+    """One temporary folder for all ranks (rank 0 makes it), removed when every rank is done with it."""
+    import torch.distributed as dist
+    box = [tempfile.mkdtemp(prefix=prefix)] if dist.get_rank() == 0 else [None]
+    dist.broadcast_object_list(box, src=0)
+    try:
+        yield box[0]
+    finally:
+        dist.barrier()
+        if dist.get_rank() == 0:
+            shutil.rmtree(box[0], ignore_errors=True)

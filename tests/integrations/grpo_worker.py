@@ -2,7 +2,8 @@
 
 Both trainers get the same scripted completions (TRL's ``rollout_func``), so any difference comes from how the
 step is trained: ODC re-plans every step's rollouts across ranks with LB-Mini (uneven microbatch counts) and must
-still give TRL's loss and parameters. fp32, SGD, a tiny Qwen2 loaded from a local folder (nothing downloaded).
+still give TRL's loss, parameters and logged metrics. fp32,
+SGD, a tiny Qwen2 loaded from a local folder (nothing downloaded).
 
 Usage: grpo_worker.py equivalence [--cases a,b] [--refusals] [--resume]; rank 0 prints one ODC_RESULT line.
 """
@@ -12,7 +13,6 @@ from __future__ import annotations
 import argparse
 import os
 import sys
-import tempfile
 
 import ds_odc  # noqa: F401  (the `odc` key must parse before GRPOConfig / zero.Init)
 from _support.launch import emit, init_test_ranks
@@ -21,18 +21,12 @@ from ds_odc.training.distributed import shutdown_and_exit
 HERE = os.path.dirname(__file__)
 sys.path.insert(0, HERE)
 sys.path.insert(0, os.path.join(HERE, "..", "zero"))
-from _hf_workload import ds_config, logged  # noqa: E402
+from _hf_workload import ds_config, logged, shared_tmpdir  # noqa: E402
 from _rl_workload import char_tokenizer, letter_reward, prompt_dataset, scripted_rollout, tiny_qwen2  # noqa: E402
 from _workload import full_params, max_rel_diff  # noqa: E402
 
 MAX_NEW = 48
-
-
-def shared_tmpdir() -> str:
-    import torch.distributed as dist
-    box = [tempfile.mkdtemp(prefix="odc_grpo_")] if dist.get_rank() == 0 else [None]
-    dist.broadcast_object_list(box, src=0)
-    return box[0]
+VARIANTS = ("stock", "padded")  # stock TRL; ODC with padded microbatches
 
 
 def save_model(folder: str) -> str:
@@ -62,18 +56,18 @@ def grpo_config(output_dir: str, odc: bool, **overrides):
     return GRPOConfig(**kwargs)
 
 
-def train(model_path: str, out: str, odc: bool, resume: str | None = None, **overrides) -> dict:
+def train(model_path: str, out: str, variant: str, resume: str | None = None, odc_kwargs: dict | None = None,
+          **overrides) -> dict:
     from trl import GRPOTrainer
 
     from ds_odc.integrations.trl_grpo import OdcGRPOTrainer
-    config = grpo_config(out, odc, **overrides)
-    tok = char_tokenizer()
+    config = grpo_config(out, odc=variant != "stock", **overrides)
     kwargs = dict(reward_funcs=letter_reward, args=config, train_dataset=prompt_dataset(64),
-                  processing_class=tok, rollout_func=scripted_rollout(MAX_NEW))
-    if odc:
-        trainer = OdcGRPOTrainer(model_path, max_tokens_per_microbatch=64, **kwargs)
-    else:
+                  processing_class=char_tokenizer(), rollout_func=scripted_rollout(MAX_NEW))
+    if variant == "stock":
         trainer = GRPOTrainer(model_path, **kwargs)
+    else:  # a budget that splits the steps unevenly
+        trainer = OdcGRPOTrainer(model_path, max_tokens_per_microbatch=64, **(odc_kwargs or {}), **kwargs)
     trainer.train(resume_from_checkpoint=resume)
     return {"loss": logged(trainer, "loss"), "params": full_params(trainer.model_wrapped),
             "optimizer": type(trainer.model_wrapped.optimizer).__name__,
@@ -87,45 +81,42 @@ def rel_loss_diff(a: list[float], b: list[float]) -> float:
     return max(abs(x - y) / max(abs(y), 1.0) for x, y in zip(a, b))
 
 
-def compare(stock: dict, odc: dict) -> dict:
-    return {"loss_stock": stock["loss"], "loss_odc": odc["loss"],
-            "loss_diff": rel_loss_diff(odc["loss"], stock["loss"]),
-            "param_diff": max_rel_diff(odc["params"], stock["params"]),
-            "optimizers": [stock["optimizer"], odc["optimizer"]],
-            "microbatches": odc["microbatches"]}
+def trl_logs(run: dict) -> list[dict]:
+    """What TRL logged at every step, less timings and ds_odc's own keys."""
+    return [{k: v for k, v in entry.items() if not k.startswith("odc/") and k != "step_time"}
+            for entry in run["logs"]]
 
 
-CASES = {
-    "grpo": {"loss_type": "grpo"},
-    "dapo": {"loss_type": "dapo"},
-    "bnpo": {"loss_type": "bnpo"},
-    "dr_grpo": {"loss_type": "dr_grpo"},
-    "luspo": {"loss_type": "luspo"},
-    "sapo": {"loss_type": "sapo"},
-    "cispo": {"loss_type": "cispo"},
-    "vespo": {"loss_type": "vespo"},
-    # KL to a reference model, two passes over each generation batch, and a generation batch of two optimizer steps
-    "grpo_kl_iter2_spg4": {"loss_type": "grpo", "beta": 0.04, "num_iterations": 2, "steps_per_generation": 4,
-                           "max_steps": 4},
-}
+# Every case: KL to a reference model (beta > 0), two passes over each generation batch (num_iterations = 2), and a
+# generation batch of two optimizer steps (steps_per_generation = 2 x gradient_accumulation_steps): 4 optimizer steps.
+HARD = {"beta": 0.05, "num_iterations": 2, "steps_per_generation": 4, "max_steps": 4}
+CASES = {name: {"loss_type": name, **HARD}
+         for name in ("grpo", "dapo", "bnpo", "dr_grpo", "luspo", "sapo", "cispo", "vespo")}
 
 
 def scenario_equivalence(args):
     import torch.distributed as dist
-    tmp = shared_tmpdir()
-    model_path = save_model(tmp)
-    out = {"world": dist.get_world_size(), "cases": {}}
-    for name in args.cases.split(","):
-        stock = train(model_path, f"{tmp}/{name}-stock", odc=False, **CASES[name])
-        odc = train(model_path, f"{tmp}/{name}-odc", odc=True, **CASES[name])
-        out["cases"][name] = compare(stock, odc)
-        if name == args.cases.split(",")[0]:
-            out["log_keys"] = sorted(odc["logs"][-1])
-            out["last_log"] = {k: v for k, v in odc["logs"][-1].items() if k.startswith("odc/")}
-    if args.refusals:
-        out["refusals"] = refusals(model_path, tmp)
-    if args.resume:
-        out["resume"] = resume(model_path, tmp)
+    with shared_tmpdir("odc_grpo_") as tmp:
+        model_path = save_model(tmp)
+        out = {"world": dist.get_world_size(), "cases": {}}
+        for name in args.cases.split(","):
+            runs = {v: train(model_path, f"{tmp}/{name}-{v}", v, **CASES[name]) for v in args.variants.split(",")}
+            stock = runs["stock"]
+            out["cases"][name] = {
+                "optimizers": {v: r["optimizer"] for v, r in runs.items()},
+                "logs": {v: trl_logs(r) for v, r in runs.items()},
+                "loss_diff": {v: rel_loss_diff(r["loss"], stock["loss"]) for v, r in runs.items()},
+                "param_diff": {v: max_rel_diff(r["params"], stock["params"]) for v, r in runs.items()},
+                "microbatches": {v: r["microbatches"] for v, r in runs.items() if v != "stock"},
+            }
+            if name == args.cases.split(",")[0]:
+                last = runs[args.variants.split(",")[-1]]["logs"][-1]
+                out["log_keys"] = sorted(last)
+                out["last_log"] = {k: v for k, v in last.items() if k.startswith("odc/")}
+        if args.refusals:
+            out["refusals"] = refusals(model_path, tmp)
+        if args.resume:
+            out["resume"] = resume(model_path, tmp)
     if dist.get_rank() == 0:
         emit(out)
 
@@ -159,8 +150,8 @@ def refusals(model_path: str, tmp: str) -> dict:
 def resume(model_path: str, tmp: str) -> dict:
     """4 steps with a checkpoint at step 2; a new trainer resumed from it must reproduce steps 3 and 4."""
     common = dict(loss_type="dapo", max_steps=4, save_strategy="steps", save_steps=2)
-    full = train(model_path, f"{tmp}/full", odc=True, **common)
-    resumed = train(model_path, f"{tmp}/resumed", odc=True, resume=f"{tmp}/full/checkpoint-2", **common)
+    full = train(model_path, f"{tmp}/full", "padded", **common)
+    resumed = train(model_path, f"{tmp}/resumed", "padded", resume=f"{tmp}/full/checkpoint-2", **common)
     return {"full_loss": full["loss"], "resumed_loss": resumed["loss"],
             "loss_diff": rel_loss_diff(resumed["loss"][-2:], full["loss"][-2:]),
             "param_diff": max_rel_diff(resumed["params"], full["params"]),
@@ -171,6 +162,7 @@ def main():
     parser = argparse.ArgumentParser()
     parser.add_argument("scenario")
     parser.add_argument("--cases", default=",".join(CASES))
+    parser.add_argument("--variants", default=",".join(VARIANTS))
     parser.add_argument("--refusals", action="store_true")
     parser.add_argument("--resume", action="store_true")
     parser.add_argument("--local_rank", type=int, default=None)

@@ -9,24 +9,16 @@ import copy
 import json
 import os
 import sys
-import tempfile
 
 import ds_odc  # noqa: F401  (the `odc` key must parse before any TrainingArguments)
 from _support.launch import emit, init_test_ranks
 from ds_odc.training.distributed import shutdown_and_exit
 
 sys.path.insert(0, os.path.dirname(__file__))
-from _hf_workload import logged, tiny_llama, token_dataset, training_args  # noqa: E402
+from _hf_workload import logged, shared_tmpdir, tiny_llama, token_dataset, training_args  # noqa: E402
 
 
-def shared_tmpdir() -> str:
-    import torch.distributed as dist
-    box = [tempfile.mkdtemp(prefix="odc_hf_")] if dist.get_rank() == 0 else [None]
-    dist.broadcast_object_list(box, src=0)
-    return box[0]
-
-
-def scenario_equivalence():
+def scenario_equivalence(tmp: str):
     """Same global minibatches, three ways: OdcTrainer with ODC + LB-Mini (uneven packs), the stock Trainer with
     stock ZeRO-3 (one sample per microbatch, GAS = samples per rank), and OdcTrainer with ODC off (must be stock)."""
     from transformers import Trainer
@@ -40,7 +32,6 @@ def scenario_equivalence():
     data = token_dataset(per_device * gas * world * steps)
     base = tiny_llama()
     models = {name: copy.deepcopy(base) for name in ("odc", "stock", "odc_off")}  # before any TrainingArguments
-    tmp = shared_tmpdir()
 
     odc = OdcTrainer(models["odc"], training_args(f"{tmp}/odc", odc=True, per_device_train_batch_size=per_device,
                                                   gradient_accumulation_steps=gas),
@@ -79,7 +70,7 @@ def scenario_equivalence():
         })
 
 
-def scenario_resume():
+def scenario_resume(tmp: str):
     """6 steps over a 4-step epoch, checkpoint at step 3; a fresh trainer resumed from it must log the same losses."""
     from ds_odc.integrations.transformers import BALANCER_STATE_NAME, OdcTrainer
 
@@ -87,7 +78,6 @@ def scenario_resume():
     base = tiny_llama()
     first, second = copy.deepcopy(base), tiny_llama(seed=7)  # the resumed model starts elsewhere: the checkpoint must win
     data = token_dataset(16)
-    tmp = shared_tmpdir()
     common = dict(per_device_train_batch_size=2, gradient_accumulation_steps=1, max_steps=6, save_strategy="steps",
                   save_steps=3)
     balancer = dict(max_tokens_per_microbatch=40)
@@ -118,9 +108,65 @@ def scenario_resume():
               "epochs": [full.state.epoch, resumed.state.epoch]})
 
 
+def pair_dataset(n: int, seed: int = 0):
+    """Prompt/completion text pairs with long-tailed completion lengths (SFTTrainer trains the completions)."""
+    import random
+
+    from datasets import Dataset
+    rng = random.Random(seed)
+    words = ["alpha", "beta", "gamma", "delta", "odc", "zero", "rank", "step"]
+    prompts = ["Q: " + " ".join(rng.choices(words, k=rng.randint(1, 4))) + "\nA:" for _ in range(n)]
+    completions = [" " + " ".join(rng.choices(words, k=rng.choice([1, 1, 2, 3, 8]))) for _ in range(n)]
+    return Dataset.from_dict({"prompt": prompts, "completion": completions})
+
+
+def scenario_sft(tmp: str):
+    """TRL's SFTTrainer, stock ZeRO-3, against OdcSFTTrainer (ODC + LB-Mini, uneven packs), same arguments, stock fed
+    the minibatches in the plan's order: every metric SFTTrainer logs, at every step."""
+    import torch.distributed as dist
+    from trl import SFTConfig, SFTTrainer
+
+    from _hf_workload import ds_config
+    from _rl_workload import char_tokenizer
+    from ds_odc.integrations.trl_sft import OdcSFTTrainer
+
+    tok = char_tokenizer()
+    data = pair_dataset(64)
+    base = tiny_llama(vocab=len(tok))
+    models = {name: copy.deepcopy(base) for name in ("odc", "stock")}
+
+    def config(name: str, odc: bool, **extra):
+        return SFTConfig(output_dir=f"{tmp}/{name}", per_device_train_batch_size=2, gradient_accumulation_steps=2,
+                         max_steps=4, learning_rate=1e-3, lr_scheduler_type="constant", warmup_steps=0,
+                         weight_decay=0.0, max_grad_norm=1.0, logging_steps=1, save_strategy="no", report_to=[],
+                         use_cpu=True, optim="adamw_torch", deepspeed=ds_config(odc), seed=0, disable_tqdm=True,
+                         dataloader_num_workers=0, max_length=None, padding_free=True, bf16=False,
+                         gradient_checkpointing=False, **extra)
+
+    odc = OdcSFTTrainer(models["odc"], config("odc", True), train_dataset=data, processing_class=tok,
+                        max_tokens_per_microbatch=80, balancer_cost="tokens")
+    odc.train()
+    order = odc.odc_pack_sampler.sampler.epoch_order(0).tolist()
+    stock = SFTTrainer(models["stock"], config("stock", False, train_sampling_strategy="sequential"),
+                       train_dataset=data.select(order), processing_class=tok)
+    stock.train()
+
+    def logs(trainer):
+        return [{k: v for k, v in e.items() if not k.startswith("odc/")} for e in trainer.state.log_history
+                if "loss" in e]
+
+    if dist.get_rank() == 0:
+        emit({"odc": logs(odc), "stock": logs(stock),
+              "microbatch_counts": [[e.get(f"odc/microbatches_rank{r}") for r in range(dist.get_world_size())]
+                                    for e in odc.state.log_history if "odc/bubble" in e],
+              "optimizers": [type(t.model_wrapped.optimizer).__name__ for t in (odc, stock)],
+              "odc_attention": odc.model.config._attn_implementation})
+
+
 def main():
     init_test_ranks(timeout_s=60)
-    globals()[f"scenario_{sys.argv[1]}"]()
+    with shared_tmpdir("odc_hf_") as tmp:  # removed when the scenario is done
+        globals()[f"scenario_{sys.argv[1]}"](tmp)
     shutdown_and_exit()
 
 

@@ -1,7 +1,10 @@
-"""OdcGRPOTrainer against stock GRPOTrainer + stock ZeRO-3 on 2 and 3 CPU ranks (see grpo_worker.py)."""
+"""OdcGRPOTrainer against stock GRPOTrainer + stock ZeRO-3 on 2 and 3 CPU ranks (see grpo_worker.py): every loss
+type, with a reference model (beta > 0), two passes over each generation batch and a generation batch of two
+optimizer steps; parameters, losses and every metric TRL logs, at every step."""
 
 from __future__ import annotations
 
+import math
 import os
 
 import pytest
@@ -12,33 +15,79 @@ pytest.importorskip("trl")
 pytestmark = pytest.mark.slow
 
 WORKER = os.path.join(os.path.dirname(__file__), "grpo_worker.py")
-TOL = 1e-5  # relative, fp32, after every step (parameters measured <= 1.2e-6: left-padding offsets move RoPE rounding)
+LOSS_TYPES = ["grpo", "dapo", "bnpo", "dr_grpo", "luspo", "sapo", "cispo", "vespo"]
+# relative (norm), fp32, after 4 SGD steps at learning rate 0.5. Padded microbatches measured <= 1.1e-6: a prompt's
+# left padding, hence its RoPE positions and the reduction order, depends on the microbatch it lands in.
+PARAM_TOL = {"padded": 2e-6}
+LOSS_TOL = 1e-6  # relative to max(|loss|, 1): a GRPO loss is a sum of signed terms that nearly cancel
+METRIC_TOL = 1e-5  # relative, for every other metric TRL logs (kl, entropy, clip ratios, rewards, lengths, ...)
+METRIC_FLOOR = 1e-6  # ... with this floor for metrics that sit near 0 (e.g. a clip ratio of a few tokens)
 
 
 @pytest.fixture(scope="module")
 def two_ranks():
-    return launch(WORKER, 2, ["equivalence", "--refusals", "--resume"], timeout=420).check().result
+    return launch(WORKER, 2, ["equivalence", "--refusals", "--resume"], timeout=900).check().result
 
 
-@pytest.mark.parametrize("case", ["grpo", "dapo", "bnpo", "dr_grpo", "luspo", "sapo", "cispo", "vespo",
-                                  "grpo_kl_iter2_spg4"])
-def test_loss_and_parameters_equal_stock_trl(two_ranks, case):
-    result = two_ranks["cases"][case]
-    assert result["optimizers"] == ["DeepSpeedZeroOptimizer_Stage3", "OdcOptimizer"]
-    assert len(result["loss_odc"]) == len(result["loss_stock"]) >= 2
-    assert result["loss_diff"] <= TOL, (result["loss_odc"], result["loss_stock"])
-    assert result["param_diff"] <= TOL, result["param_diff"]
+@pytest.fixture(scope="module")
+def three_ranks():
+    return launch(WORKER, 3, ["equivalence"], timeout=900).check().result
 
 
-def test_ranks_trained_uneven_microbatch_counts(two_ranks):
-    counts = [step for case in two_ranks["cases"].values() for step in case["microbatches"]]
-    assert any(len(set(step)) > 1 for step in counts), counts
+def metric_diffs(odc: list[dict], stock: list[dict]) -> dict[str, float]:
+    """Per logged key, the largest difference of ODC's value from stock's over the steps, in units of the
+    tolerance (<= 1 passes). A key logged by only one of them counts as infinitely far."""
+    assert len(odc) == len(stock) >= 4, (len(odc), len(stock))
+    out = {}
+    for mine, theirs in zip(odc, stock):
+        for key in set(mine) | set(theirs):
+            if key not in mine or key not in theirs:
+                out[key] = math.inf
+                continue
+            a, b = mine[key], theirs[key]
+            if key == "loss":
+                far = abs(a - b) / max(abs(b), 1.0) / LOSS_TOL
+            elif isinstance(b, float) and math.isnan(b):
+                far = 0.0 if math.isnan(a) else math.inf
+            else:
+                far = abs(a - b) / max(abs(b), METRIC_FLOOR) / METRIC_TOL
+            out[key] = max(out.get(key, 0.0), far)
+    return out
 
 
-def test_balance_and_wait_are_logged(two_ranks):
+def check_case(result: dict, variant: str) -> None:
+    assert result["optimizers"]["stock"] == "DeepSpeedZeroOptimizer_Stage3"
+    assert result["optimizers"][variant] == "OdcOptimizer"
+    assert result["param_diff"][variant] <= PARAM_TOL[variant], result["param_diff"]
+    far = metric_diffs(result["logs"][variant], result["logs"]["stock"])
+    assert {"kl", "entropy", "loss", "reward"} <= set(far), sorted(far)
+    bad = {k: v for k, v in far.items() if v > 1.0}
+    assert not bad, bad  # in units of the tolerance
+
+
+@pytest.mark.parametrize("variant", ["padded"])
+@pytest.mark.parametrize("loss_type", LOSS_TYPES)
+def test_two_ranks_equal_stock_trl(two_ranks, loss_type, variant):
+    check_case(two_ranks["cases"][loss_type], variant)
+
+
+@pytest.mark.parametrize("variant", ["padded"])
+@pytest.mark.parametrize("loss_type", LOSS_TYPES)
+def test_three_ranks_equal_stock_trl(three_ranks, loss_type, variant):
+    check_case(three_ranks["cases"][loss_type], variant)
+
+
+def test_ranks_trained_uneven_microbatch_counts(two_ranks, three_ranks):
+    for result in (two_ranks, three_ranks):
+        for variant in ("padded",):
+            counts = [step for case in result["cases"].values() for step in case["microbatches"][variant]]
+            assert any(len(set(step)) > 1 for step in counts), (variant, counts)
+
+
+def test_balance_and_cost_are_logged(two_ranks):
     keys = set(two_ranks["log_keys"])
     assert {"odc/bubble", "odc/microbatches_rank0", "odc/microbatches_rank1", "odc/step_wait_seconds",
-            "loss", "reward", "entropy"} <= keys
+            "loss", "reward", "entropy", "kl"} <= keys, sorted(keys)
     assert 0.0 <= two_ranks["last_log"]["odc/bubble"] < 1.0
 
 
@@ -47,11 +96,6 @@ def test_unsupported_options_are_refused_by_name(two_ranks):
     for option, message in refused.items():
         assert message.startswith("ds_odc: OdcGRPOTrainer with zero_optimization.odc does not support"), message
         assert option in message, (option, message)
-
-
-def test_three_ranks():
-    result = launch(WORKER, 3, ["equivalence", "--cases", "dapo"], timeout=420).check().result["cases"]["dapo"]
-    assert result["loss_diff"] <= TOL and result["param_diff"] <= TOL, result
 
 
 def test_resume_reproduces_the_next_steps(two_ranks):
