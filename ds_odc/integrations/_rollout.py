@@ -1,9 +1,10 @@
 """A rollout batch re-planned across ranks: who trains which completion, and the one exchange that moves them.
 
 After generation every rank holds the completions it generated (its *generation batch*: ``rows`` samples, in
-``slices`` of ``B`` rows, one slice per accumulation step of the stock trainer). LB-Mini then spreads each optimizer
-step's samples (``gas`` slices of every rank) over the ranks by cost, so each rank trains a share of about equal
-work with its own number of microbatches. Lengths are gathered once per generation batch; every rank computes every
+*slots* of ``B`` rows, one slot per accumulation step of the stock trainer). LB-Mini then spreads each optimizer
+step's samples (``gas`` slots of every rank) over the ranks by cost, so each rank trains a share of about equal
+work with its own number of microbatches: packed rows of at most ``max_tokens`` tokens (padding-free), or padded
+microbatches of at most ``max_tokens`` rows x padded width. Lengths are gathered once per generation batch; every rank computes every
 plan from them (no communication), and one ``all_to_all_single`` moves each sample's tensors (tokens, masks,
 advantages, old/reference log-probs) to the rank that trains it, for all the optimizer steps of the batch at once.
 
@@ -21,7 +22,7 @@ import torch.distributed as dist
 
 from ds_odc.balancer.planners import plan_minibatch
 
-__all__ = ["RolloutPlan", "Sample", "plan_rollout", "exchange", "collate", "pack_padded"]
+__all__ = ["RolloutPlan", "Sample", "plan_rollout", "stock_microbatch_size", "exchange", "collate", "pack_padded"]
 
 PROMPT_IDS = "prompt_ids"
 PROMPT_MASK = "prompt_mask"
@@ -34,7 +35,8 @@ class RolloutPlan:
     """The plan of one generation batch, identical on every rank.
 
     ``steps[j][r]``: the global sample ids rank ``r`` trains in optimizer step ``j`` of the batch, in microbatches.
-    Global id of local row ``i`` of rank ``r``: ``r * rows + i``; its stock microbatch is ``(r, i // B)``.
+    Global id of local row ``i`` of rank ``r``: ``r * rows + i``; its stock microbatch is ``(r, i // B)``, in the
+    stock trainer's accumulation step (its *slot*) ``i // B`` of the generation batch.
     """
 
     world: int
@@ -63,6 +65,12 @@ class RolloutPlan:
         """Loss tokens of the stock microbatch that sample ``g`` belongs to."""
         start = (g // self.batch_rows) * self.batch_rows
         return int(self.loss_tokens[start:start + self.batch_rows].sum())
+
+    def load(self, microbatches: list[list[int]]) -> tuple[int, float]:
+        """(tokens, sum of squared sample lengths) of these microbatches, unpadded: what the cost model plans with."""
+        ids = np.asarray([g for mb in microbatches for g in mb], dtype=np.int64)
+        total = (self.prompt_len[ids] + self.completion_len[ids]).astype(np.float64)
+        return int(total.sum()), float((total * total).sum())
 
 
 @dataclass
@@ -106,8 +114,14 @@ def pack_padded(ids: list[int], prompt_len: np.ndarray, completion_len: np.ndarr
 
 
 def plan_rollout(batch: dict, *, world: int, batch_rows: int, gas: int, planner: str, cost,
-                 max_tokens: int | None, group=None) -> RolloutPlan:
-    """Gather every sample's lengths (one all-gather) and plan every optimizer step of the generation batch."""
+                 max_tokens: int | None, packed: bool, group=None) -> RolloutPlan:
+    """Gather every sample's lengths (one all-gather) and plan every optimizer step of the generation batch.
+
+    ``packed``: microbatches are padding-free rows of at most ``max_tokens`` tokens (LB-Mini packs them, counting
+    the cost model's per-microbatch cost); otherwise LB-Mini shares the samples out and each rank packs its share
+    into padded microbatches of at most ``max_tokens`` rows x padded width (:func:`pack_padded`). ``max_tokens``
+    ``None``: the size of the largest microbatch the stock trainer runs on this batch, rows x padded width. A sample
+    larger than the budget gets a microbatch of its own."""
     rows = batch[PROMPT_IDS].shape[0]
     if rows % (batch_rows * gas):
         raise ValueError(f"ds_odc: the generation batch has {rows} rows per rank, not a whole number of optimizer "
@@ -118,17 +132,28 @@ def plan_rollout(batch: dict, *, world: int, batch_rows: int, gas: int, planner:
     every = every.cpu().numpy()
     plan = RolloutPlan(world, rows, batch_rows, every[:, 0], every[:, 1], every[:, 2])
     total = plan.prompt_len + plan.completion_len
-    if max_tokens is None:  # as large as the largest stock microbatch of this batch: its rows x its padded width
-        widths = [int(plan.prompt_len[r * rows:(r + 1) * rows].max() + plan.completion_len[r * rows:(r + 1) * rows].max())
-                  for r in range(world)]
-        max_tokens = batch_rows * max(widths)
+    if max_tokens is None:
+        max_tokens = stock_microbatch_size(plan)
     step_rows = batch_rows * gas
     for j in range(rows // step_rows):
         ids = [r * rows + i for r in range(world) for i in range(j * step_rows, (j + 1) * step_rows)]
-        shares = plan_minibatch(total[ids].tolist(), world, planner=planner, cost=cost)
-        plan.steps.append([pack_padded([ids[k] for k in shares.rank_samples(r)], plan.prompt_len,
-                                       plan.completion_len, max_tokens) for r in range(world)])
+        if packed:
+            budget = max(int(max_tokens), int(total[ids].max()))
+            shares = plan_minibatch(total[ids].tolist(), world, planner=planner, cost=cost, max_tokens=budget)
+            plan.steps.append([[[ids[k] for k in mb] for mb in shares.microbatches[r]] for r in range(world)])
+        else:
+            shares = plan_minibatch(total[ids].tolist(), world, planner=planner, cost=cost)
+            plan.steps.append([pack_padded([ids[k] for k in shares.rank_samples(r)], plan.prompt_len,
+                                           plan.completion_len, max_tokens) for r in range(world)])
     return plan
+
+
+def stock_microbatch_size(plan: RolloutPlan) -> int:
+    """Rows x padded width of the largest microbatch the stock trainer runs on the plan's generation batch (it pads
+    each rank's whole generation batch to one width, its longest prompt plus its longest completion)."""
+    widths = [int(plan.prompt_len[r * plan.rows:(r + 1) * plan.rows].max()
+                  + plan.completion_len[r * plan.rows:(r + 1) * plan.rows].max()) for r in range(plan.world)]
+    return plan.batch_rows * max(widths)
 
 
 def _is_completion_field(key: str) -> bool:

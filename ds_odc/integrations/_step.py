@@ -14,6 +14,8 @@ Busy time is :mod:`ds_odc.training.metrics`' definition: the step's wall time le
 
 from __future__ import annotations
 
+import json
+import os
 from dataclasses import dataclass
 from typing import Any, Callable, Iterable
 
@@ -24,7 +26,10 @@ from ds_odc.integrations._hf_privates import set_sync_gradients
 from ds_odc.integrations._metrics import BalanceMeter
 from ds_odc.training.metrics import StepClock, StepRecord, record_from_rows
 
-__all__ = ["OdcStep", "StepTimes"]
+__all__ = ["OdcStep", "StepTimes", "BALANCER_STATE_NAME", "resolve_checkpoint", "save_balancer_state",
+           "load_balancer_state"]
+
+BALANCER_STATE_NAME = "ds_odc_balancer.json"  # in every checkpoint folder: where the balancer stands
 
 
 @dataclass(frozen=True)
@@ -90,3 +95,30 @@ class OdcStep:
             logs.update(self.odc_meter.summary())
             self.odc_meter.reset()
         super().log(logs, *args, **kwargs)
+
+
+def resolve_checkpoint(output_dir: str, resume) -> str | None:
+    """``resume_from_checkpoint`` as the Trainer reads it: ``True`` = the last checkpoint in ``output_dir``."""
+    if isinstance(resume, bool):
+        if not resume:
+            return None
+        from transformers.trainer_utils import get_last_checkpoint
+        found = get_last_checkpoint(output_dir)
+        if found is None:
+            raise ValueError(f"No valid checkpoint found in output directory ({output_dir})")
+        return found
+    return resume or None
+
+
+def save_balancer_state(folder: str, state: dict) -> None:
+    os.makedirs(folder, exist_ok=True)
+    with open(os.path.join(folder, BALANCER_STATE_NAME), "w") as f:
+        json.dump(state, f, indent=1)
+
+
+def load_balancer_state(folder: str) -> dict | None:
+    path = os.path.join(folder, BALANCER_STATE_NAME)
+    if not os.path.isfile(path):
+        return None
+    with open(path) as f:
+        return json.load(f)

@@ -28,14 +28,11 @@ checked when this module is imported.
 from __future__ import annotations
 
 import copy
-import json
-import os
 from collections.abc import Mapping
 from typing import Any
 
 import torch
 from transformers import Trainer
-from transformers.trainer_utils import get_last_checkpoint
 from transformers.utils import logging
 
 import ds_odc
@@ -46,7 +43,8 @@ from ds_odc.balancer.checks import check_label_lengths
 from ds_odc.integrations._hf_privates import check_transformers, loss_shifts_labels, remove_unused_columns
 from ds_odc.integrations._metrics import BalanceMeter
 from ds_odc.integrations._packs import Pack, PackBatchSampler, PackCollator, PackDataset
-from ds_odc.integrations._step import OdcStep
+from ds_odc.integrations._step import (BALANCER_STATE_NAME, OdcStep, load_balancer_state, resolve_checkpoint,
+                                       save_balancer_state)
 from ds_odc.training.attention import ATTENTION_NAME, remember_host_boundaries
 from ds_odc.training.loss import DEFAULT_CHUNK_TOKENS, count_loss_tokens, use_chunked_loss
 
@@ -56,8 +54,6 @@ check_transformers()
 logger = logging.get_logger(__name__)
 
 __all__ = ["OdcTrainer", "odc_enabled", "deepspeed_config_of", "BALANCER_STATE_NAME"]
-
-BALANCER_STATE_NAME = "ds_odc_balancer.json"
 
 
 def deepspeed_config_of(args) -> dict | None:
@@ -320,10 +316,8 @@ class OdcTrainer(OdcStep, Trainer):
 
     # -- checkpoints ------------------------------------------------------------------------------------------------
     def train(self, resume_from_checkpoint=None, *args, **kwargs):
-        if self.odc and isinstance(resume_from_checkpoint, bool) and resume_from_checkpoint:
-            resume_from_checkpoint = get_last_checkpoint(self.args.output_dir)
-            if resume_from_checkpoint is None:
-                raise ValueError(f"No valid checkpoint found in output directory ({self.args.output_dir})")
+        if self.odc:
+            resume_from_checkpoint = resolve_checkpoint(self.args.output_dir, resume_from_checkpoint)
         self._odc_resume_dir = resume_from_checkpoint or None
         return super().train(resume_from_checkpoint, *args, **kwargs)
 
@@ -331,20 +325,16 @@ class OdcTrainer(OdcStep, Trainer):
         super().save_model(output_dir, _internal_call=_internal_call)
         # Checkpoints (the Trainer's internal call) also record where the balancer stands.
         if self.odc and _internal_call and self._odc_position is not None and self.args.should_save:
-            state = self.odc_pack_sampler.state_at(*self._odc_position)
-            os.makedirs(output_dir, exist_ok=True)
-            with open(os.path.join(output_dir, BALANCER_STATE_NAME), "w") as f:
-                json.dump(state, f, indent=1)
+            save_balancer_state(output_dir, self.odc_pack_sampler.state_at(*self._odc_position))
 
     def _odc_restore_balancer(self) -> None:
         if not self._odc_resume_dir:
             return
-        path = os.path.join(self._odc_resume_dir, BALANCER_STATE_NAME)
-        if not os.path.isfile(path):
-            logger.warning(f"ds_odc: {path} not found; the Trainer's data skipping re-plans the skipped minibatches")
+        state = load_balancer_state(self._odc_resume_dir)
+        if state is None:
+            logger.warning(f"ds_odc: {self._odc_resume_dir} has no {BALANCER_STATE_NAME}; the Trainer's data "
+                           "skipping re-plans the skipped minibatches")
             return
-        with open(path) as f:
-            state = json.load(f)
         if self.args.ignore_data_skip:  # the user asked to restart the data order: only check compatibility
             self.odc_pack_sampler.sampler.load_state_dict({**state, "step": 0})
             return

@@ -6,10 +6,11 @@ With ``"zero_optimization": {"stage": 3, "odc": true}`` in the DeepSpeed config 
 1. generates on every rank for its own prompts, lockstep-free (:mod:`ds_odc.integrations.generation`): each rank
    decodes at its own pace and stops at its own EOS, with no collective and without TRL's full-model all-gather;
 2. scores the completions and computes advantages (and old / reference log-probs where TRL needs them) exactly as
-   TRL does;
+   TRL does, the log-probs from padding-free rows;
 3. re-plans the step's samples across ranks with LB-Mini (lengths gathered once, tensors moved once per generation
-   batch, see :mod:`ds_odc.integrations._rollout`); each rank trains its share in as many padded microbatches as
-   its work needs, then all ranks meet once, at the optimizer step.
+   batch, see :mod:`ds_odc.integrations._rollout`), balancing a cost learned from the measured step times; each rank
+   trains its share in as many microbatches as its work needs (padding-free rows, or padded microbatches), then all
+   ranks meet once, at the optimizer step.
 
 The loss equals TRL's for every ``loss_type``: TRL's own loss code runs on each group of samples that shared a stock
 microbatch (their log-probs taken from the microbatch's one forward), weighted by what TRL's normalisation gives that
@@ -37,10 +38,14 @@ from trl import GRPOTrainer
 from trl.trainer.utils import shuffle_sequence_dict
 
 import ds_odc
+from ds_odc.balancer.autocost import AutoCost, rank_rows
+from ds_odc.balancer.cost import get_cost_model
+from ds_odc.balancer.sampler import auto_cost_prior
 from ds_odc.integrations import _rollout as rollout
+from ds_odc.integrations._completions import pack_completions, score_completions
 from ds_odc.integrations._hf_privates import TRL_GRPO_PRIVATES, check_trl, rank_local_collectives
 from ds_odc.integrations._metrics import BalanceMeter
-from ds_odc.integrations._step import OdcStep
+from ds_odc.integrations._step import OdcStep, load_balancer_state, resolve_checkpoint, save_balancer_state
 from ds_odc.integrations._stock_metrics import SlotMetrics, combine
 from ds_odc.integrations.generation import RESIDENCIES, is_odc_engine, lockstep_free
 from ds_odc.integrations.transformers import odc_enabled
@@ -54,6 +59,7 @@ check_trl(GRPOTrainer, TRL_GRPO_PRIVATES)
 # depend on the microbatch (num_items_in_batch). TRL's loss of the group alone is rescaled accordingly.
 LOSS_WEIGHTS = {"grpo": "rows", "sapo": "rows", "dr_grpo": "rows", "luspo": "rows", "bnpo": "tokens",
                 "dapo": "global", "cispo": "global", "vespo": "global"}
+PACKED_ATTENTIONS = ("sdpa", "eager", "ds_odc_varlen", "flash_attention_2", "flash_attention_3")
 
 
 def _refusals(args, trainer_kwargs: dict) -> list[str]:
@@ -86,19 +92,25 @@ class OdcGRPOTrainer(OdcStep, GRPOTrainer):
     """``trl.GRPOTrainer`` that generates lockstep-free and trains with ODC + LB-Mini when the config turns ODC on.
 
     Extra keyword arguments (all optional):
+        padding_free: train on padding-free rows (every forward the loss needs: policy, old policy, reference model;
+            attention ``ds_odc_varlen``) instead of padded microbatches. Default (``None``): padding-free when the
+            model's attention is ``sdpa``, ``eager``, ``ds_odc_varlen`` or flash attention.
         balancer_planner: ``"lb-mini"`` (default: any microbatch count per rank), or ``"lb-micro"`` /
             ``"local-sort"`` for comparisons.
-        max_tokens_per_microbatch: budget of one padded microbatch (rows x padded width). Default: the size of the
-            largest microbatch the stock trainer would have run on the same generation batch.
-        balancer_cost: what LB-Mini balances: ``"tokens"``, ``"quadratic"`` or a ``CostModel``.
+        max_tokens_per_microbatch: budget of one microbatch: tokens of a padding-free row, or rows x padded width of
+            a padded microbatch. Default: the size of the largest microbatch the stock trainer runs on the same
+            generation batch. A sample larger than the budget gets a microbatch of its own.
+        balancer_cost: what LB-Mini balances: ``"auto"`` (default: starts from the model's shape and is refitted
+            every step from the measured busy times of all ranks; logged as ``odc/cost_*``; an ``AutoCost`` for
+            other fit settings), ``"tokens"``, ``"quadratic"`` or a ``CostModel``.
         generation_residency: ``"auto"`` / ``"full"`` / ``"block"`` (see ``lockstep_free``). Default: ``"auto"``, or
             ``"block"`` when ``ds3_gather_for_generation=False``.
         max_resident_bytes: the memory budget of ``"auto"``.
     """
 
-    def __init__(self, model, reward_funcs=None, args=None, *trainer_args, balancer_planner: str = "lb-mini",
-                 max_tokens_per_microbatch: int | None = None, balancer_cost: Any = "tokens",
-                 generation_residency: str | None = None,
+    def __init__(self, model, reward_funcs=None, args=None, *trainer_args, padding_free: bool | None = None,
+                 balancer_planner: str = "lb-mini", max_tokens_per_microbatch: int | None = None,
+                 balancer_cost: Any = "auto", generation_residency: str | None = None,
                  max_resident_bytes: int | None = None, **trainer_kwargs):
         ds_odc.patch()
         self.odc = args is not None and odc_enabled(args)
@@ -123,7 +135,13 @@ class OdcGRPOTrainer(OdcStep, GRPOTrainer):
                                 "router_aux_loss_coef=0 or turn output_router_logits off)") + ". Turn ODC off for it.")
         if self.odc and self.ref_model is not None and self.args.sync_ref_model:
             raise ValueError("ds_odc: sync_ref_model=True is not tested with ODC yet; set sync_ref_model=False")
-        self.odc_balancer = dict(planner=balancer_planner, cost=balancer_cost, max_tokens=max_tokens_per_microbatch)
+        attention = getattr(getattr(self.model, "config", None), "_attn_implementation", None)
+        if padding_free is None:
+            padding_free = attention in PACKED_ATTENTIONS
+        self.odc_padding_free = bool(self.odc and padding_free)
+        self.odc_planner = balancer_planner
+        self.odc_max_tokens = max_tokens_per_microbatch
+        self.odc_cost = _cost(balancer_cost, getattr(self.model, "config", None)) if self.odc else None
         if generation_residency is None:
             generation_residency = "auto" if self.args.ds3_gather_for_generation else "block"
         self.odc_generation_residency = generation_residency
@@ -133,6 +151,7 @@ class OdcGRPOTrainer(OdcStep, GRPOTrainer):
         self._odc_served: tuple[torch.Tensor, torch.Tensor] | None = None
         self._odc_generation = [0.0, 0]  # seconds and new tokens since the last optimizer step, this rank
         self.odc_microbatch_history = deque(maxlen=1000)  # microbatches per rank, recent optimizer steps
+        self.odc_plan_history = deque(maxlen=1000)  # (global step, this rank's microbatches of global ids)
 
     # -- generation ---------------------------------------------------------------------------------------------------
     def _generate_single_turn(self, prompt_ids, images, multimodal_fields, num_generations, has_tool_images=False):
@@ -172,6 +191,7 @@ class OdcGRPOTrainer(OdcStep, GRPOTrainer):
         plan, samples = self._odc_rollout
         step_in_batch = (first % self.args.steps_per_generation) // gas
         microbatches = plan.steps[step_in_batch][self.args.process_index]
+        self.odc_plan_history.append((self.state.global_step, microbatches))
         loss = self._odc_train_share(model, plan, samples, microbatches)
         self._step += 1
         return loss
@@ -179,8 +199,10 @@ class OdcGRPOTrainer(OdcStep, GRPOTrainer):
     def _odc_new_rollout(self, inputs, gas: int):
         batch = self._generate_and_score_completions(inputs)
         batch = shuffle_sequence_dict(batch)  # TRL's own shuffle of the generation batch, same random stream
+        cost = self.odc_cost.model if isinstance(self.odc_cost, AutoCost) else self.odc_cost
         plan = rollout.plan_rollout(batch, world=self.args.world_size, batch_rows=self.args.per_device_train_batch_size,
-                                    gas=gas, **self.odc_balancer)
+                                    gas=gas, planner=self.odc_planner, cost=cost, max_tokens=self.odc_max_tokens,
+                                    packed=self.odc_padding_free)
         samples = rollout.exchange(batch, plan, self.args.process_index)
         self._odc_num_items = batch.get("num_items_in_batch")
         return plan, samples
@@ -202,14 +224,19 @@ class OdcGRPOTrainer(OdcStep, GRPOTrainer):
         finally:
             self._metrics["train"] = logged
         generation, self._odc_generation = tuple(self._odc_generation), [0.0, 0]
-        tokens = sum(int(plan.prompt_len[g] + plan.completion_len[g]) for mb in microbatches for g in mb)
-        everyone = self._odc_meet(times, tokens, 0.0, self._odc_step_samples(), payload=metrics.records,
+        tokens, sq_tokens = plan.load(microbatches)
+        everyone = self._odc_meet(times, tokens, sq_tokens, self._odc_step_samples(), payload=metrics.records,
                                   generation=generation)
         self.odc_microbatch_history.append([r.microbatches for r in self.odc_meter.records[-1].per_rank])
         for name, values in combine(everyone).items():  # one value per stock microbatch, as TRL appends them
             logged[name].extend(values)
         logged["step_time"].append(times.step_s)
         return times.loss
+
+    def _odc_observe_cost(self, record):
+        if not isinstance(self.odc_cost, AutoCost):
+            return None
+        return self.odc_cost.observe(*rank_rows(record))
 
     def _odc_microbatch_loss(self, model, plan, members: list[rollout.Sample], metrics: SlotMetrics) -> torch.Tensor:
         """One forward for the microbatch; then TRL's loss of each group of its samples that shared a stock
@@ -245,6 +272,9 @@ class OdcGRPOTrainer(OdcStep, GRPOTrainer):
 
     def _odc_completion_logps(self, model, members: list[rollout.Sample]):
         """Each sample's completion log-probs and entropies (1-D, its completion length), from one forward."""
+        if self.odc_padding_free:
+            row = pack_completions([s.prompt_ids for s in members], [s.completion["completion_ids"] for s in members])
+            return score_completions(model, row, compute_entropy=True, autocast=self.accelerator.autocast)
         inputs = rollout.collate(members, self._tokenizer.pad_token_id, self.pad_to_multiple_of)
         ids = torch.cat([inputs["prompt_ids"], inputs["completion_ids"]], dim=1)
         mask = torch.cat([inputs["prompt_mask"], inputs["completion_mask"]], dim=1)
@@ -262,11 +292,61 @@ class OdcGRPOTrainer(OdcStep, GRPOTrainer):
                 raise RuntimeError(f"ds_odc: served log-probs of shape {tuple(logps.shape)} for a batch of "
                                    f"{input_ids.shape[0]} x {logits_to_keep} completion tokens")
             return logps, (entropies if compute_entropy else None), None
+        if self.odc_padding_free and not args and not any(v not in (None, False) for v in kwargs.values()):
+            return self._odc_packed_logps(model, input_ids, attention_mask, logits_to_keep, batch_size,
+                                          compute_entropy)
         return super()._get_per_token_logps_and_entropies(model, input_ids, attention_mask, logits_to_keep,
                                                           batch_size, compute_entropy, *args, **kwargs)
 
+    def _odc_packed_logps(self, model, input_ids, attention_mask, logits_to_keep, batch_size, compute_entropy):
+        """TRL's padded scoring (old and reference log-probs of a generation batch, evaluation) from packed rows:
+        ``batch_size`` samples per row, so a rank runs as many forwards as TRL (the reference model's engine is
+        stock ZeRO-3, whose forwards must stay in step across ranks). Zero past each completion's end."""
+        rows = input_ids.shape[0]
+        batch_size = batch_size or rows
+        prompt_width = input_ids.shape[1] - logits_to_keep
+        real = attention_mask.bool()
+        present = torch.arange(1, logits_to_keep + 1, device=input_ids.device) * real[:, prompt_width:]
+        completion_len = present.max(1).values.tolist()  # TRL's masks end at the EOS; padding after it
+        logps = entropies = None
+        for start in range(0, rows, batch_size):
+            chunk = range(start, min(start + batch_size, rows))
+            packed = pack_completions([input_ids[r, :prompt_width][real[r, :prompt_width]] for r in chunk],
+                                      [input_ids[r, prompt_width:prompt_width + completion_len[r]] for r in chunk])
+            chunk_logps, chunk_entropies = score_completions(model, packed, compute_entropy=compute_entropy,
+                                                             autocast=self.accelerator.autocast)
+            if logps is None:
+                logps = chunk_logps[0].new_zeros((rows, logits_to_keep))
+                entropies = logps.new_zeros((rows, logits_to_keep)) if compute_entropy else None
+            for k, r in enumerate(chunk):
+                logps[r, :completion_len[r]] = chunk_logps[k]
+                if compute_entropy:
+                    entropies[r, :completion_len[r]] = chunk_entropies[k]
+        return logps, entropies, None
+
     def _odc_step_samples(self) -> int:
         return self.args.per_device_train_batch_size * self.current_gradient_accumulation_steps * self.args.world_size
+
+    # -- checkpoints ----------------------------------------------------------------------------------------------------
+    def train(self, resume_from_checkpoint=None, *args, **kwargs):
+        if self.odc:
+            resume_from_checkpoint = resolve_checkpoint(self.args.output_dir, resume_from_checkpoint)
+            state = load_balancer_state(resume_from_checkpoint) if resume_from_checkpoint else None
+            if state is not None and isinstance(self.odc_cost, AutoCost) and "auto_cost" in state:
+                self.odc_cost.load_state_dict(state["auto_cost"])  # the resumed run plans as the uninterrupted one
+        return super().train(resume_from_checkpoint, *args, **kwargs)
+
+    def save_model(self, output_dir: str | None = None, _internal_call: bool = False) -> None:
+        super().save_model(output_dir, _internal_call=_internal_call)
+        if self.odc and _internal_call and isinstance(self.odc_cost, AutoCost) and self.args.should_save:
+            save_balancer_state(output_dir, {"auto_cost": self.odc_cost.state_dict()})
+
+
+def _cost(choice, model_config):
+    """The rollout plans' cost: a learned one (``"auto"`` or an ``AutoCost``), or a fixed ``CostModel``."""
+    if isinstance(choice, AutoCost):
+        return choice
+    return AutoCost(auto_cost_prior(model_config)) if choice == "auto" else get_cost_model(choice, model_config)
 
 
 def _rows(values: list[torch.Tensor], width: int) -> torch.Tensor:

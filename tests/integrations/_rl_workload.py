@@ -14,12 +14,13 @@ VOCAB = 256
 PAD = 0
 
 
-def tiny_qwen2(seed: int = 0, vocab: int = VOCAB):
-    """Random-init 2-layer Qwen2 (about 40k params), built outside any zero.Init so copies start identical."""
+def tiny_qwen2(seed: int = 0, vocab: int = VOCAB, hidden_size: int = 32):
+    """Random-init 2-layer Qwen2 (about 40k params at the default width), built outside any zero.Init so copies
+    start identical. 4 attention heads: ``hidden_size`` 128 gives the head width GPU flash kernels take."""
     from transformers import Qwen2Config, Qwen2ForCausalLM
     torch.manual_seed(seed)
-    config = Qwen2Config(hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4,
-                         num_key_value_heads=2, vocab_size=vocab, max_position_embeddings=256,
+    config = Qwen2Config(hidden_size=hidden_size, intermediate_size=2 * hidden_size, num_hidden_layers=2,
+                         num_attention_heads=4, num_key_value_heads=2, vocab_size=vocab, max_position_embeddings=256,
                          tie_word_embeddings=False, attn_implementation="sdpa", pad_token_id=PAD,
                          bos_token_id=None, eos_token_id=None)
     return Qwen2ForCausalLM(config)

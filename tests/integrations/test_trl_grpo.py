@@ -1,6 +1,6 @@
-"""OdcGRPOTrainer against stock GRPOTrainer + stock ZeRO-3 on 2 and 3 CPU ranks (see grpo_worker.py): every loss
-type, with a reference model (beta > 0), two passes over each generation batch and a generation batch of two
-optimizer steps; parameters, losses and every metric TRL logs, at every step."""
+"""OdcGRPOTrainer against stock GRPOTrainer + stock ZeRO-3 on 2 and 3 CPU ranks (see grpo_worker.py): padded and
+padding-free training, every loss type, with a reference model (beta > 0), two passes over each generation batch and
+a generation batch of two optimizer steps; parameters, losses and every metric TRL logs, at every step."""
 
 from __future__ import annotations
 
@@ -16,10 +16,12 @@ pytestmark = pytest.mark.slow
 
 WORKER = os.path.join(os.path.dirname(__file__), "grpo_worker.py")
 LOSS_TYPES = ["grpo", "dapo", "bnpo", "dr_grpo", "luspo", "sapo", "cispo", "vespo"]
-# relative (norm), fp32, after 4 SGD steps at learning rate 0.5. Padded microbatches measured <= 1.1e-6: a prompt's
-# left padding, hence its RoPE positions and the reduction order, depends on the microbatch it lands in.
-PARAM_TOL = {"padded": 2e-6}
-LOSS_TOL = 1e-6  # relative to max(|loss|, 1): a GRPO loss is a sum of signed terms that nearly cancel
+# Parameters after 4 SGD steps, fp32, relative (per tensor, norm): measured 0.5-1.8e-6. ODC's microbatches are not
+# stock's, so neither are the reduction orders (and a padded prompt's RoPE positions): rounding, amplified by the
+# steps, most by vespo, whose sequence weights are exponentials of summed log-ratios. The steps moved the parameters
+# by 1-4% (asserted), so a wrong weight would be four orders of magnitude above this.
+PARAM_TOL = 2e-6
+LOSS_TOL = 1e-5  # relative to max(|loss|, 1): a GRPO loss is a sum of signed terms that nearly cancel
 METRIC_TOL = 1e-5  # relative, for every other metric TRL logs (kl, entropy, clip ratios, rewards, lengths, ...)
 METRIC_FLOOR = 1e-6  # ... with this floor for metrics that sit near 0 (e.g. a clip ratio of a few tokens)
 
@@ -58,20 +60,21 @@ def metric_diffs(odc: list[dict], stock: list[dict]) -> dict[str, float]:
 def check_case(result: dict, variant: str) -> None:
     assert result["optimizers"]["stock"] == "DeepSpeedZeroOptimizer_Stage3"
     assert result["optimizers"][variant] == "OdcOptimizer"
-    assert result["param_diff"][variant] <= PARAM_TOL[variant], result["param_diff"]
+    assert result["stock_moved"] >= 1e-2, result["stock_moved"]
+    assert result["param_diff"][variant] <= PARAM_TOL, result["param_diff"]
     far = metric_diffs(result["logs"][variant], result["logs"]["stock"])
     assert {"kl", "entropy", "loss", "reward"} <= set(far), sorted(far)
     bad = {k: v for k, v in far.items() if v > 1.0}
     assert not bad, bad  # in units of the tolerance
 
 
-@pytest.mark.parametrize("variant", ["padded"])
+@pytest.mark.parametrize("variant", ["packed", "padded"])
 @pytest.mark.parametrize("loss_type", LOSS_TYPES)
 def test_two_ranks_equal_stock_trl(two_ranks, loss_type, variant):
     check_case(two_ranks["cases"][loss_type], variant)
 
 
-@pytest.mark.parametrize("variant", ["padded"])
+@pytest.mark.parametrize("variant", ["packed", "padded"])
 @pytest.mark.parametrize("loss_type", LOSS_TYPES)
 def test_three_ranks_equal_stock_trl(three_ranks, loss_type, variant):
     check_case(three_ranks["cases"][loss_type], variant)
@@ -79,7 +82,7 @@ def test_three_ranks_equal_stock_trl(three_ranks, loss_type, variant):
 
 def test_ranks_trained_uneven_microbatch_counts(two_ranks, three_ranks):
     for result in (two_ranks, three_ranks):
-        for variant in ("padded",):
+        for variant in ("packed", "padded"):
             counts = [step for case in result["cases"].values() for step in case["microbatches"][variant]]
             assert any(len(set(step)) > 1 for step in counts), (variant, counts)
 
@@ -89,6 +92,7 @@ def test_balance_and_cost_are_logged(two_ranks):
     assert {"odc/bubble", "odc/microbatches_rank0", "odc/microbatches_rank1", "odc/step_wait_seconds",
             "loss", "reward", "entropy", "kl"} <= keys, sorted(keys)
     assert 0.0 <= two_ranks["last_log"]["odc/bubble"] < 1.0
+    assert two_ranks["resume"]["cost_logged"]  # the automatic cost's coefficients (odc/cost_*)
 
 
 def test_unsupported_options_are_refused_by_name(two_ranks):
@@ -98,7 +102,10 @@ def test_unsupported_options_are_refused_by_name(two_ranks):
         assert option in message, (option, message)
 
 
-def test_resume_reproduces_the_next_steps(two_ranks):
+def test_resume_plans_and_trains_as_the_uninterrupted_run(two_ranks):
     out = two_ranks["resume"]
-    assert out["steps_run"] == [4, 2]  # the resumed trainer ran steps 3 and 4 only
+    assert out["steps_run"] == [6, 2]  # the resumed trainer ran steps 5 and 6 only
+    assert out["balancer_state_saved"] and out["cost_fitted_at_resume"]
+    full, resumed = out["plans"]
+    assert resumed[0] == full[4], (resumed[0], full[4])  # step 5 planned with the checkpoint's fitted cost
     assert out["loss_diff"] <= 1e-6 and out["param_diff"] <= 1e-6, out
