@@ -1,0 +1,313 @@
+"""GRPO training step on GPUs: stock ``GRPOTrainer`` + ZeRO-3 vs ``OdcGRPOTrainer`` with padded microbatches vs
+``OdcGRPOTrainer`` padding-free, on the same rollouts, in one call.
+
+    python benchmarks/grpo.py --out runs/grpo                 # one GPU: Qwen2-1.5B shape, random init, bf16
+    python benchmarks/grpo.py --out runs/grpo-cpu --model tiny   # CPU smoke run (a minute)
+
+Each mode runs in its own process group (``--ranks`` ranks; clean memory, its own DeepSpeed engine) on the same
+random-init model and the same rollouts: ``--prompts`` prompts x ``--generations`` completions per optimizer step,
+prompts of a quarter to all of ``--prompt-len`` tokens, completion lengths long-tailed from ``--min-completion`` to
+``--max-completion`` tokens (lognormal around ``--max-completion / 16``, one completion in eight cut at the limit).
+With ``--rollout scripted`` (default) the completions are drawn tokens (TRL's ``rollout_func``), so the step is the
+training phase plus TRL's scoring; ``--rollout generate`` decodes them with the policy (sampling, each completion
+forced to end at its drawn length), through lockstep-free generation under ODC and TRL's full-model gather under
+stock ZeRO-3. Nothing is downloaded: the tokenizer is a character tokenizer built in code (``examples/toy_text.py``)
+and the model's shape comes from ``ds_odc.balancer.presets.MODEL_SHAPES``.
+
+| mode | trainer |
+|---|---|
+| ``stock`` | ``trl.GRPOTrainer``, stock ZeRO-3 |
+| ``odc-padded`` | ``OdcGRPOTrainer(padding_free=False)``: LB-Mini shares, padded microbatches under the stock microbatch's size |
+| ``odc-packed`` | ``OdcGRPOTrainer(padding_free=True)``: LB-Mini packed rows (``ds_odc_varlen``) under the same token budget |
+
+Per optimizer step after ``--warmup`` steps: the step's wall time (first microbatch to the end of the optimizer step,
+device synchronised), the rollout's time inside it, and the training phase (step less rollout: scoring, old /
+reference log-probs, re-planning, forward, backward, optimizer step). Peak memory is ``max_memory_allocated`` over
+the timed steps. The table is printed last and written to ``DIR/grpo.md`` (numbers in ``DIR/grpo.json``).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parent.parent
+MODES = ("stock", "odc-padded", "odc-packed")
+SHAPES = {"1.5b": "qwen2.5-1.5b", "0.5b": "qwen2.5-0.5b", "tiny": "tiny"}
+SMALL = dict(prompts=4, generations=4, prompt_len=24, min_completion=2, max_completion=48, per_device_batch=4)
+
+
+def parse_args(argv=None):
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--out", default="runs/grpo")
+    p.add_argument("--model", choices=sorted(SHAPES), default="1.5b")
+    p.add_argument("--modes", default=",".join(MODES))
+    p.add_argument("--ranks", type=int, default=1, help="ranks per mode (GPUs, or CPU processes)")
+    p.add_argument("--rollout", choices=["scripted", "generate"], default="scripted")
+    p.add_argument("--prompts", type=int, help="prompts per optimizer step, all ranks (default 16; tiny: 4)")
+    p.add_argument("--generations", type=int, help="completions per prompt (default 8; tiny: 4)")
+    p.add_argument("--prompt-len", type=int, help="longest prompt in tokens (default 256; tiny: 24)")
+    p.add_argument("--min-completion", type=int, help="shortest completion (default 16; tiny: 2)")
+    p.add_argument("--max-completion", type=int, help="longest completion, the generation limit (default 2048)")
+    p.add_argument("--per-device-batch", type=int, help="rows of a stock microbatch (default 8; tiny: 4)")
+    p.add_argument("--loss-type", default="dapo")
+    p.add_argument("--beta", type=float, default=0.0, help="KL coefficient (> 0 adds the reference model)")
+    p.add_argument("--num-iterations", type=int, default=1)
+    p.add_argument("--steps", type=int, default=3, help="optimizer steps per mode, warm-up included")
+    p.add_argument("--warmup", type=int, default=1)
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--mode-timeout", type=float, default=420)
+    p.add_argument("--worker", choices=MODES, help=argparse.SUPPRESS)
+    args = p.parse_args(argv)
+    big = dict(prompts=16, generations=8, prompt_len=256, min_completion=16, max_completion=2048, per_device_batch=8)
+    for key, value in (SMALL if args.model == "tiny" else big).items():
+        if getattr(args, key) is None:
+            setattr(args, key, value)
+    if (args.prompts * args.generations) % (args.ranks * args.per_device_batch):
+        p.error("--prompts x --generations must be a multiple of --ranks x --per-device-batch")
+    return args
+
+
+def completion_lengths(args, step: int):
+    """The drawn completion lengths of one optimizer step (all ranks' rows, in prompt order): the same in every
+    mode."""
+    import numpy as np
+    rng = np.random.default_rng([args.seed, step])
+    n = args.prompts * args.generations
+    lengths = np.clip(rng.lognormal(np.log(max(args.max_completion / 16, 1)), 1.0, n), args.min_completion,
+                      args.max_completion).astype(int)
+    lengths[rng.random(n) < 1 / 8] = args.max_completion  # the long tail: completions that hit the limit
+    return lengths.tolist()
+
+
+def prompt_texts(args, count: int) -> list[str]:
+    import numpy as np
+    rng = np.random.default_rng([args.seed, 1 << 20])
+    lengths = rng.integers(max(1, args.prompt_len // 4), args.prompt_len + 1, count)
+    return ["".join(chr(c) for c in rng.integers(97, 123, int(n))) for n in lengths]
+
+
+def run_worker(args) -> dict:
+    import torch
+    import torch.distributed as dist
+
+    import ds_odc  # noqa: F401  (the `odc` key must parse before GRPOConfig)
+    from ds_odc.training.distributed import init_distributed
+    init_distributed()
+    from datasets import Dataset
+    from transformers import AutoModelForCausalLM, LogitsProcessorList, Qwen2Config, TrainerCallback
+    from trl import GRPOConfig, GRPOTrainer
+
+    from ds_odc.balancer.presets import MODEL_SHAPES
+    from ds_odc.integrations.trl_grpo import OdcGRPOTrainer
+    sys.path.insert(0, str(ROOT / "examples"))
+    from toy_text import char_tokenizer
+
+    mode, on_gpu = args.worker, torch.cuda.is_available()
+    world, rank = dist.get_world_size(), dist.get_rank()
+    rows_per_rank = args.prompts * args.generations // world
+    zero = {"stage": 3, "overlap_comm": False, "contiguous_gradients": True, "stage3_param_persistence_threshold": 0}
+    if mode != "stock":
+        zero["odc"] = {"enabled": True, "timeout_s": 600}
+    ds_config = {"train_micro_batch_size_per_gpu": "auto", "gradient_accumulation_steps": "auto",
+                 "train_batch_size": "auto", "gradient_clipping": "auto", "bf16": {"enabled": "auto"},
+                 "zero_optimization": zero, "zero_allow_untested_optimizer": True, "steps_per_print": 10**9}
+    config = GRPOConfig(
+        output_dir=str(Path(args.out) / mode), per_device_train_batch_size=args.per_device_batch,
+        gradient_accumulation_steps=rows_per_rank // args.per_device_batch, num_generations=args.generations,
+        max_completion_length=args.max_completion, max_steps=args.steps, loss_type=args.loss_type, beta=args.beta,
+        num_iterations=args.num_iterations, learning_rate=1e-6, optim="adamw_torch", lr_scheduler_type="constant",
+        logging_steps=1, save_strategy="no", report_to=[], use_cpu=not on_gpu, bf16=on_gpu,
+        gradient_checkpointing=on_gpu, seed=args.seed, disable_tqdm=True, log_completions=False,
+        deepspeed=ds_config, dataloader_num_workers=0, temperature=1.0)
+    tokenizer = char_tokenizer()
+    shape = dict(MODEL_SHAPES[SHAPES[args.model]])
+    model_config = Qwen2Config(**shape, max_position_embeddings=args.prompt_len + args.max_completion + 64,
+                               pad_token_id=tokenizer.pad_token_id, eos_token_id=tokenizer.eos_token_id,
+                               bos_token_id=None, attn_implementation="sdpa")
+    torch.manual_seed(args.seed)
+    model = AutoModelForCausalLM.from_config(model_config, dtype=torch.bfloat16 if on_gpu else torch.float32)
+    prompts = prompt_texts(args, args.prompts)
+    dataset = Dataset.from_dict({"prompt": [prompts[i % len(prompts)] for i in range(args.prompts * 64)]})
+    clock = {"rollout": 0.0}
+
+    def sync():
+        if on_gpu:
+            torch.cuda.synchronize()
+
+    def lengths_now(trainer, count: int) -> list[int]:
+        """This rank's rows of the step's drawn lengths (TRL hands each rank its own slice of the prompts)."""
+        drawn = completion_lengths(args, trainer.state.global_step)
+        return drawn[rank * count:(rank + 1) * count]
+
+    def scripted(prompt_list, trainer):
+        started = time.perf_counter()
+        lengths = lengths_now(trainer, len(prompt_list))
+        g = torch.Generator().manual_seed(args.seed * 1000003 + trainer.state.global_step * 101 + rank)
+        completions = [torch.randint(3 + 65, 3 + 90, (n - 1,), generator=g).tolist() + [tokenizer.eos_token_id]
+                       for n in lengths]
+        out = {"prompt_ids": tokenizer(text=prompt_list)["input_ids"], "completion_ids": completions,
+               "logprobs": None}
+        clock["rollout"] += time.perf_counter() - started
+        return out
+
+    class EndAtLength:
+        """Row i emits EOS exactly at its drawn length; before it, only the tokenizer's letters."""
+
+        def __init__(self, prompt_width: int, lengths):
+            self.prompt_width, self.lengths = prompt_width, torch.tensor(lengths)
+
+        def __call__(self, input_ids, scores):
+            step = input_ids.shape[1] - self.prompt_width
+            keep = torch.full_like(scores, float("-inf"))
+            keep[:, 3 + 65:3 + 91] = 0.0
+            scores = scores + keep
+            end = (self.lengths.to(scores.device) - 1) <= step
+            scores[end] = float("-inf")
+            scores[end, tokenizer.eos_token_id] = 0.0
+            return scores
+
+    class Timed:
+        """Times the rollout inside each step (generation, when TRL generates)."""
+
+        def _generate_single_turn(self, prompt_ids, *rest, **kwargs):
+            sync()
+            started = time.perf_counter()
+            module = self.model
+            width = max(len(p) for p in prompt_ids)
+            drawn = lengths_now(self, len(prompt_ids))
+            processor = LogitsProcessorList([EndAtLength(width, drawn)])
+            stock_generate = type(module).generate
+            module.generate = lambda *a, **k: stock_generate(module, *a, logits_processor=processor, **k)
+            try:
+                out = super()._generate_single_turn(prompt_ids, *rest, **kwargs)
+            finally:
+                del module.generate
+            clock["lengths_ok"] = clock.get("lengths_ok", True) and [len(c) for c in out[0]] == drawn
+            sync()
+            clock["rollout"] += time.perf_counter() - started
+            return out
+
+    class StepTimer(TrainerCallback):
+        def __init__(self):
+            self.steps = []
+
+        def on_step_begin(self, *a, **k):
+            sync()
+            if len(self.steps) == args.warmup and on_gpu:
+                torch.cuda.reset_peak_memory_stats()
+            clock["rollout"] = 0.0
+            self.started = time.perf_counter()
+
+        def on_step_end(self, *a, **k):
+            sync()
+            self.steps.append({"step_s": time.perf_counter() - self.started, "rollout_s": clock["rollout"]})
+
+    base = GRPOTrainer if mode == "stock" else OdcGRPOTrainer
+    cls = type(f"Timed{base.__name__}", (Timed, base), {})
+    kwargs = dict(reward_funcs=lambda completions, **k: [sum(c in "aeiou" for c in t) / max(len(t), 1)
+                                                         for t in completions],
+                  args=config, train_dataset=dataset, processing_class=tokenizer)
+    if args.rollout == "scripted":
+        kwargs["rollout_func"] = scripted
+    if mode != "stock":
+        kwargs["padding_free"] = mode == "odc-packed"
+    timer = StepTimer()
+    trainer = cls(model, callbacks=[timer], **kwargs)
+    trainer.train()
+    timed = timer.steps[args.warmup:] or timer.steps
+    mean = lambda key: sum(s[key] for s in timed) / len(timed)  # noqa: E731
+    logs = [e for e in trainer.state.log_history if "loss" in e]
+    result = {"mode": mode, "ranks": world, "step_s": mean("step_s"), "rollout_s": mean("rollout_s"),
+              "generated_drawn_lengths": clock.get("lengths_ok"),
+              "training_s": mean("step_s") - mean("rollout_s"), "steps": timer.steps,
+              "loss": [e["loss"] for e in logs],
+              "microbatches": [list(m) for m in getattr(trainer, "odc_microbatch_history", [])],
+              "device": torch.cuda.get_device_name(0) if on_gpu else "cpu"}
+    result["completion_tokens"] = sum(sum(completion_lengths(args, s)) for s in range(args.steps)) / args.steps
+    if on_gpu:
+        peak = torch.tensor([torch.cuda.max_memory_allocated() / 2**30], device="cuda")
+        dist.all_reduce(peak, op=dist.ReduceOp.MAX)
+        result["peak_gib"] = float(peak)
+    return result
+
+
+def orchestrate(args) -> int:
+    out = Path(args.out)
+    out.mkdir(parents=True, exist_ok=True)
+    env = dict(os.environ)
+    env["PYTHONPATH"] = os.pathsep.join(p for p in [str(ROOT), env.get("PYTHONPATH", "")] if p)
+    results = {}
+    for mode in args.modes.split(","):
+        cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={args.ranks}",
+               __file__, "--worker", mode, *_worker_args(args)]
+        started = time.perf_counter()
+        try:
+            proc = subprocess.run(cmd, capture_output=True, text=True, timeout=args.mode_timeout, env=env)
+            ok = proc.returncode == 0 and (out / f"{mode}.json").exists()
+            tail = (proc.stdout + proc.stderr)[-4000:]
+        except subprocess.TimeoutExpired:
+            ok, tail = False, f"timed out after {args.mode_timeout} s"
+        results[mode] = json.loads((out / f"{mode}.json").read_text()) if ok else {"mode": mode, "failed": tail}
+        if not ok:
+            print(f"{mode}: FAILED\n{tail}", flush=True)
+        print(f"{mode}: done in {time.perf_counter() - started:.0f} s", flush=True)
+    table = report(results, args)
+    (out / "grpo.md").write_text(table)
+    (out / "grpo.json").write_text(json.dumps(results, indent=1))
+    print(table)
+    return 0 if all("failed" not in r for r in results.values()) else 1
+
+
+def _worker_args(args) -> list[str]:
+    keys = ("out", "model", "ranks", "rollout", "prompts", "generations", "prompt_len", "min_completion",
+            "max_completion", "per_device_batch", "loss_type", "beta", "num_iterations", "steps", "warmup", "seed")
+    return [x for k in keys for x in (f"--{k.replace('_', '-')}", str(getattr(args, k)))]
+
+
+def report(results: dict, args) -> str:
+    lengths = [n for s in range(args.steps) for n in completion_lengths(args, s)]
+    stock = results.get("stock", {})
+    lines = [f"{args.model} shape, {args.ranks} rank(s), {args.prompts} prompts x {args.generations} completions per "
+             f"step, completions {min(lengths)}-{max(lengths)} tokens (median {sorted(lengths)[len(lengths) // 2]}), "
+             f"{args.rollout} rollout, loss {args.loss_type}, beta {args.beta}; means over {args.steps - args.warmup} "
+             f"timed steps", "",
+             "| mode | training s/step | training vs stock | step s | step vs stock | rollout s | peak GiB | "
+             "microbatches per rank |", "|---|---|---|---|---|---|---|---|"]
+    for mode, r in results.items():
+        if "failed" in r:
+            lines.append(f"| {mode} | failed | | | | | | |")
+            continue
+        speed = lambda key: (f"{stock[key] / r[key]:.2f}x" if key in stock and r[key] > 0 else "-")  # noqa: E731
+        peak = f"{r['peak_gib']:.1f}" if "peak_gib" in r else "-"
+        counts = r["microbatches"][args.warmup:] or r["microbatches"]  # stock: its accumulation steps
+        per_rank = ("/".join(f"{sum(c[k] for c in counts) / len(counts):.1f}" for k in range(r["ranks"])) if counts
+                    else str(args.prompts * args.generations // (args.ranks * args.per_device_batch)))
+        lines.append(f"| {mode} | {r['training_s']:.2f} | {speed('training_s')} | {r['step_s']:.2f} | "
+                     f"{speed('step_s')} | {r['rollout_s']:.2f} | {peak} | "
+                     f"{per_rank} |")
+    lines.append("")
+    lines.append("command: python benchmarks/grpo.py " + " ".join(_worker_args(args)[2:]))
+    return "\n".join(lines) + "\n"
+
+
+def main(argv=None) -> int:
+    args = parse_args(argv)
+    if args.worker:
+        result = run_worker(args)
+        import torch.distributed as dist
+        if dist.get_rank() == 0:
+            Path(args.out, f"{args.worker}.json").write_text(json.dumps(result))
+        dist.barrier()
+        dist.destroy_process_group()
+        return 0
+    return orchestrate(args)
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

@@ -1,0 +1,31 @@
+"""benchmarks/grpo.py end to end at CPU scale: the three trainers run on the same rollouts and report their timings."""
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from _support.launch import cpu_env
+
+ROOT = Path(__file__).resolve().parent.parent
+pytestmark = pytest.mark.slow
+
+
+def test_grpo_benchmark_on_cpu(tmp_path):
+    pytest.importorskip("trl")
+    cmd = [sys.executable, str(ROOT / "benchmarks" / "grpo.py"), "--out", str(tmp_path), "--model", "tiny",
+           "--steps", "2", "--mode-timeout", "240"]
+    proc = subprocess.run(cmd, env=cpu_env(), capture_output=True, text=True, timeout=800)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    results = json.loads((tmp_path / "grpo.json").read_text())
+    assert set(results) == {"stock", "odc-padded", "odc-packed"}
+    for mode, r in results.items():
+        assert r["training_s"] > 0 and r["step_s"] >= r["training_s"] and len(r["steps"]) == 2, (mode, r)
+    # the same rollouts: both ODC modes train the stock run's losses (tiny fp32 model, first step exact up to rounding)
+    first = results["stock"]["loss"][0]
+    assert all(abs(results[m]["loss"][0] - first) <= 1e-5 * max(abs(first), 1.0) for m in results), results
+    assert results["odc-packed"]["microbatches"], results["odc-packed"]
+    table = (tmp_path / "grpo.md").read_text()
+    assert table.count("x |") >= 6 and "command: python benchmarks/grpo.py" in table, table
