@@ -20,8 +20,8 @@ pytestmark = [pytest.mark.gpu, pytest.mark.slow]
 
 @pytest.mark.parametrize("nproc", [pytest.param(1, marks=needs_gpus(1), id="1gpu"),
                                    pytest.param(2, marks=needs_gpus(2), id="2gpu")])
-def test_deepspeed_zero3_apis_match_stock_on_gpu(nvshmem_op, nproc):
-    result = launch(WORKER, nproc, [], timeout=420, env=GPU_ENV).check().result
+def test_deepspeed_zero3_apis_match_stock_on_gpu(nvshmem_op, nproc, tmp_path):
+    result = launch(WORKER, nproc, ["--dir", tmp_path], timeout=420, env=GPU_ENV).check().result
     moved = result.pop("stock_moved")
     assert moved and all(v > 1e-3 for v in moved.values()), moved
     worst = {k: v for k, v in result.items() if not v < 1e-4}  # GPU reductions are not bit-identical to stock's
