@@ -1,5 +1,5 @@
 """The suite's temporary-folder check (tests/conftest.py), run on a small suite of its own in a fresh pytest: a test
-that leaves a folder behind fails by name, a tidy one and torchrun's log folders pass, and the run leaves nothing in
+that leaves a folder behind fails by name, a tidy one and the folders torch makes there pass, and the run leaves nothing in
 the temporary folder it was given."""
 
 import os
@@ -20,8 +20,9 @@ def test_tidies_up(tmp_path):
     with tempfile.TemporaryDirectory():
         pass
 
-def test_torchrun_logs_are_not_the_tests_fault():
+def test_torchs_own_folders_are_not_the_tests_fault():
     os.mkdir(os.path.join(os.environ["TMPDIR"], "torchelastic_abc"))
+    os.mkdir(os.path.join(os.environ["TMPDIR"], "torchinductor_someone"))
 '''
 
 

@@ -19,6 +19,8 @@ import sys
 import warnings
 from datetime import timedelta
 
+__all__ = ["init_distributed", "shutdown", "shutdown_and_exit", "runs_on_cpu"]
+
 DEFAULT_CPU_TIMEOUT_S = 300.0
 TORCH_DEPRECATIONS_CALLED_BY_DEEPSPEED = ("all_gather_into_tensor", "reduce_scatter_tensor")
 
@@ -58,7 +60,7 @@ def init_distributed(timeout_s: float | None = None) -> None:
         # two jobs on one host would collide; a port the launcher chose wins. Other launchers: unused.
         kwargs["distributed_port"] = int(os.environ["MASTER_PORT"])
     if on_cpu:
-        from ds_odc.zero._deepspeed_privates import skip_cpu_shm_op_build
+        from ds_odc.zero import skip_cpu_shm_op_build
         skip_cpu_shm_op_build()
         deepspeed.init_distributed(dist_backend="gloo", **kwargs)
     else:

@@ -36,7 +36,7 @@ from ds_odc.config import OdcConfig
 from ds_odc.ops import make_transport
 from ds_odc.ops.transport import GatherPlan, OdcError, ScatterPlan, Segment, SymmetricBuffer, Transport
 
-__all__ = ["OdcState", "Phase", "FetchHandle", "profiled"]
+__all__ = ["OdcState", "Phase", "FetchHandle", "ShardPlace", "GradPlace", "FetchPlan", "Accumulation", "profiled"]
 
 NOT_AVAILABLE, INFLIGHT, AVAILABLE = ZeroParamStatus.NOT_AVAILABLE, ZeroParamStatus.INFLIGHT, ZeroParamStatus.AVAILABLE
 _UNPROFILED = contextlib.nullcontext()
