@@ -54,8 +54,8 @@ class Phase(enum.Enum):
 
     IDLE = enum.auto()  # nothing pushed or declared since the last publish: reading a gradient is local, as stock
     ACCUMULATING = enum.auto()  # pushed or declared its boundary; pushes (own and peers') may still be in flight
-    SETTLED = enum.auto()  # a fence ran since the last push: every push of this minibatch so far has landed
-    DISCARDED = enum.auto()  # zero_grad() after settling: the next push empties the accumulator instead of adding
+    SETTLED = enum.auto()  # completed early (settle): every push so far landed; the next push meets the others first
+    DISCARDED = enum.auto()  # zero_grad() after settling: the next push empties the accumulator, then meets
     STEPPING = enum.auto()  # between start_step() and publish(): DeepSpeed's own step is using the gradients
 
 
@@ -241,8 +241,8 @@ class OdcState:
     def push(self, params: Sequence[torch.nn.Parameter]) -> None:
         """Add every parameter's gradient, slice by slice, into its owners' accumulators, averaged over the ranks (as
         the reduce-scatter it replaces)."""
-        if self.phase is Phase.DISCARDED:
-            self._empty_before_pushing()
+        if self.phase in (Phase.SETTLED, Phase.DISCARDED):
+            self._release_pushes()
         with profiled("ds_odc::push"):
             key = tuple(p.ds_id for p in params)
             plan = self._push_plans.get(key)
@@ -303,10 +303,10 @@ class OdcState:
                            "may run different numbers of microbatches, so the gradients of this minibatch exist only "
                            "once every rank has reached its boundary. Do it on every rank after "
                            "set_gradient_accumulation_boundary(True) and the last backward, or after engine.step().")
-        what = f"completing this minibatch's gradients early for {why} (every rank must do it)"
-        self.fence(what)
-        # Meet once more: a peer past the fence must not push its next microbatch into slots this rank still drains.
-        self.transport.barrier(what)
+        self.fence(f"completing this minibatch's gradients early for {why} (every rank must do it)")
+        # The caller reads or writes the gradients after this returns; a fast peer's next microbatch must not land
+        # in them meanwhile (on a GPU pushes add straight into the accumulator), so pushes wait for one more meeting
+        # (the fence left the phase SETTLED: see _release_pushes).
 
     def discard(self, why: str) -> None:
         """``optimizer.zero_grad()`` before the step, on every rank: as stock, the gradients so far stay readable (and
@@ -317,11 +317,14 @@ class OdcState:
         self.settle(why)
         self.phase = Phase.DISCARDED
 
-    def _empty_before_pushing(self) -> None:
-        """The first push after ``discard``: empty this rank's accumulator, then meet, so that no peer's push of the
-        new microbatch lands in an accumulator before its owner emptied it."""
-        self.transport.zero_([self.accumulator])
-        self.transport.barrier("emptying the gradients dropped by optimizer.zero_grad() (every rank must do it)")
+    def _release_pushes(self) -> None:
+        """The first push after gradients were completed early (``settle``) or dropped (``discard``): empty the
+        accumulator if they were dropped, then meet, so that no peer's push of the next microbatch lands before every
+        rank is done with the gradients so far (read, written, or emptied)."""
+        if self.phase is Phase.DISCARDED:
+            self.transport.zero_([self.accumulator])
+        self.transport.barrier("the first gradient push after gradients were read, written or dropped before the "
+                               "step (every rank must do it)")
 
     def publish_writes(self, why: str) -> None:
         """Shards were written outside the step (on every rank): meet, so peers read the new values."""
