@@ -18,6 +18,8 @@ import sys
 import textwrap
 from dataclasses import dataclass
 
+__all__ = ["main", "render", "field_docs", "odc_defaults"]
+
 WIDTH = 34  # name column, dots included
 
 
@@ -68,7 +70,7 @@ def versions() -> list[Check]:
     import torch
 
     import ds_odc
-    from ds_odc.zero._deepspeed_privates import SUPPORTED
+    from ds_odc.zero import SUPPORTED_DEEPSPEED as SUPPORTED
 
     cuda = f", CUDA {torch.version.cuda}" if torch.version.cuda else ", CPU-only build"
     deepspeed = _installed("deepspeed")
@@ -88,8 +90,8 @@ def versions() -> list[Check]:
 
 # -- what can run --------------------------------------------------------------------------------------------------------
 def shm_check() -> Check:
-    from ds_odc.ops.shm import _shm_dir
-    where = _shm_dir()
+    from ds_odc.ops.shm import shm_dir
+    where = shm_dir()
     try:
         stats = os.statvfs(where)
     except OSError as err:
@@ -116,7 +118,25 @@ def nvshmem_problems() -> list[str]:
 def transports() -> list[Check]:
     problems = nvshmem_problems()
     nvshmem = Check("nvshmem (CUDA ranks)", not problems, "\n".join(problems) or "can be built and run")
-    return [shm_check(), nvshmem]
+    return [shm_check(), nvshmem, shared_gpu_check(problems)]
+
+
+def shared_gpu_check(nvshmem_problems: list[str]) -> Check:
+    """Whether several ranks sharing one GPU is on (DS_ODC_SHARED_GPU) and whether it could run here."""
+    import torch
+
+    from ds_odc.training.distributed import SHARED_GPU_ENV, shared_gpu_mode
+    name = "shared GPU (ranks on one GPU)"
+    if not torch.cuda.is_available():
+        state = "ON, but no CUDA device is visible: " if shared_gpu_mode() else "off; "
+        return Check(name, False if shared_gpu_mode() else None, f"{state}needs a CUDA GPU (CPU ranks need no such mode)")
+    how = ("every rank on GPU 0, torch.distributed over gloo, one NVSHMEM PE per process; checks correctness only, "
+           "the ranks share the GPU's SMs")
+    if shared_gpu_mode():
+        return Check(name, not nvshmem_problems, f"ON ({SHARED_GPU_ENV}=1): {how}" +
+                     ("" if not nvshmem_problems else "; ODC's transport cannot run here (see above)"))
+    return Check(name, None, f"off; init_distributed(shared_gpu=True), --shared-gpu in the examples or "
+                             f"{SHARED_GPU_ENV}=1 puts {how}")
 
 
 def odc_key_check() -> Check:

@@ -21,7 +21,7 @@ from typing import Sequence
 import torch
 
 from ds_odc.training.attention import ATTENTION_NAME, remember_host_boundaries
-from ds_odc.training.collate import IGNORE_INDEX
+from ds_odc.training.loss import IGNORE_INDEX
 
 __all__ = ["PackedCompletions", "pack_completions", "score_completions", "packed_attention"]
 

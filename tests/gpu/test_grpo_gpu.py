@@ -1,6 +1,6 @@
 """OdcGRPOTrainer on CUDA at 2 ranks against stock GRPOTrainer + ZeRO-3, bf16 (tests/integrations/grpo_worker.py,
-scenario ``gpu``): on two GPUs, or as two processes sharing one GPU (torch.distributed over gloo, one NVSHMEM PE per
-process) when only one is visible.
+scenario ``gpu``): on two GPUs, or as two processes sharing GPU 0 (torch.distributed over gloo, one NVSHMEM PE per
+process) when fewer are visible; the test id says which.
 
     python -m pytest tests/gpu/test_grpo_gpu.py -q        # needs trl (pip install 'trl>=1.16,<1.17')
 """
@@ -9,24 +9,22 @@ from pathlib import Path
 
 import pytest
 
-from _launch import NO_MULTICAST, needs_gpus  # tests/gpu is on sys.path (rootdir conftest)
-from _support.launch import launch
+from _launch import launch_gpu, rank_params  # tests/gpu is on sys.path (rootdir conftest)
 
 pytest.importorskip("trl")
 pytestmark = [pytest.mark.gpu, pytest.mark.slow]
 
 WORKER = Path(__file__).resolve().parents[1] / "integrations" / "grpo_worker.py"
-GPU_ENV = {"ODC_TEST_CUDA": "1", "DS_ACCELERATOR": "cuda", **NO_MULTICAST}
 
 
-@needs_gpus(1)
-def test_grpo_bf16_two_ranks_equal_stock(nvshmem_op):
+@pytest.mark.parametrize("nproc", rank_params(2))
+def test_grpo_bf16_equals_stock(nvshmem_op, nproc):
     """Parameters after 2 steps (dapo, beta 0.04, a reference model, SGD) of ODC padded and padding-free vs stock,
     all with DeepSpeed's bf16 engine. bf16 tolerance: ODC is no further from an fp32 stock run than bf16 stock is
     (x1.5 + 1e-3), and no further from bf16 stock than two such runs can be (x2 + 1e-3); the steps moved the
     parameters more than twice that far. (Measured on CPU in bf16: stock 1.7e-2 from fp32, ODC 1.7-1.9e-2 from fp32
     and 2.0e-2 from stock, after moving 5.7e-2.)"""
-    r = launch(WORKER, 2, ["gpu"], timeout=540, env=GPU_ENV).check().result
+    r = launch_gpu(WORKER, nproc, ["gpu"], timeout=540).check().result
     assert r["optimizers"] == {"fp32": "DeepSpeedZeroOptimizer_Stage3", "stock": "DeepSpeedZeroOptimizer_Stage3",
                                "padded": "OdcOptimizer", "packed": "OdcOptimizer"}, r["optimizers"]
     bf16 = r["stock_vs_fp32"]

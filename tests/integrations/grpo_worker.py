@@ -6,8 +6,8 @@ padding-free rows or in padded microbatches, and must still give TRL's loss, par
 SGD, a tiny Qwen2 loaded from a local folder (nothing downloaded).
 
 Usage: grpo_worker.py equivalence [--cases a,b] [--refusals] [--resume] | gpu; rank 0 prints one ODC_RESULT line.
-With ODC_TEST_CUDA=1 (tests/gpu/test_grpo_gpu.py) the ranks train on CUDA: one GPU each, or all on cuda:0 over gloo
-when there are fewer GPUs than ranks.
+With ODC_TEST_CUDA=1 (tests/gpu/test_grpo_gpu.py) the ranks train on CUDA: one GPU each, or all on GPU 0 over gloo
+(DS_ODC_SHARED_GPU=1).
 """
 
 from __future__ import annotations
@@ -17,7 +17,7 @@ import os
 import sys
 
 import ds_odc  # noqa: F401  (the `odc` key must parse before GRPOConfig / zero.Init)
-from _support.launch import emit, init_test_ranks
+from _support.launch import emit
 from ds_odc.training.distributed import shutdown_and_exit
 
 HERE = os.path.dirname(__file__)
@@ -26,6 +26,7 @@ sys.path.insert(0, os.path.join(HERE, "..", "zero"))
 from _hf_workload import ds_config, logged, shared_tmpdir  # noqa: E402
 from _rl_workload import char_tokenizer, letter_reward, prompt_dataset, scripted_rollout, tiny_qwen2  # noqa: E402
 from _workload import flat, full_params, max_rel_diff, rel_diff  # noqa: E402
+from worker import init_ranks  # noqa: E402  (CPU ranks, or GPU ranks under tests/gpu: one GPU each, or all on one)
 
 MAX_NEW = 48
 VARIANTS = ("stock", "padded", "packed")  # stock TRL; ODC with padded microbatches; ODC padding-free
@@ -222,28 +223,6 @@ def scenario_gpu(args):
         emit(out)
 
 
-def init_ranks() -> None:
-    """CPU ranks over gloo; with ODC_TEST_CUDA=1 CUDA ranks: one GPU each over NCCL, or, with fewer GPUs than ranks,
-    every rank on cuda:0 over gloo (NCCL refuses two ranks on one GPU; DeepSpeed and Accelerate place a rank on
-    cuda:LOCAL_RANK)."""
-    if os.environ.get("ODC_TEST_CUDA") != "1":
-        init_test_ranks(timeout_s=120)
-        return
-    import datetime
-    import faulthandler
-
-    import deepspeed
-    import torch
-    deadline = float(os.environ.get("ODC_TEST_DEADLINE_S", "0"))
-    if deadline > 15:  # show where a killed run hung, as init_test_ranks does
-        faulthandler.dump_traceback_later(deadline - 10, exit=False)
-    shared = torch.cuda.device_count() < int(os.environ.get("WORLD_SIZE", "1"))
-    if shared:
-        os.environ["LOCAL_RANK"] = "0"
-    torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", "0")))
-    deepspeed.init_distributed(dist_backend="gloo" if shared else "nccl", timeout=datetime.timedelta(seconds=120))
-
-
 def main():
     parser = argparse.ArgumentParser()
     parser.add_argument("scenario")
@@ -253,7 +232,7 @@ def main():
     parser.add_argument("--resume", action="store_true")
     parser.add_argument("--local_rank", type=int, default=None)
     args = parser.parse_args()
-    init_ranks()
+    init_ranks(timeout_s=120)
     globals()[f"scenario_{args.scenario}"](args)
 
 

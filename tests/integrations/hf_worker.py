@@ -11,10 +11,12 @@ import os
 import sys
 
 import ds_odc  # noqa: F401  (the `odc` key must parse before any TrainingArguments)
-from _support.launch import emit, init_test_ranks
+from _support.launch import emit
 from ds_odc.training.distributed import shutdown_and_exit
 
 sys.path.insert(0, os.path.dirname(__file__))
+sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", "zero"))
+from worker import init_ranks  # noqa: E402  (CPU ranks, or GPU ranks under tests/gpu)
 from _hf_workload import logged, shared_tmpdir, tiny_llama, token_dataset, training_args  # noqa: E402
 
 
@@ -139,7 +141,8 @@ def scenario_sft(tmp: str):
         return SFTConfig(output_dir=f"{tmp}/{name}", per_device_train_batch_size=2, gradient_accumulation_steps=2,
                          max_steps=4, learning_rate=1e-3, lr_scheduler_type="constant", warmup_steps=0,
                          weight_decay=0.0, max_grad_norm=1.0, logging_steps=1, save_strategy="no", report_to=[],
-                         use_cpu=True, optim="adamw_torch", deepspeed=ds_config(odc), seed=0, disable_tqdm=True,
+                         use_cpu=os.environ.get("ODC_TEST_CUDA") != "1", optim="adamw_torch", deepspeed=ds_config(odc),
+                         seed=0, disable_tqdm=True,
                          dataloader_num_workers=0, max_length=None, padding_free=True, bf16=False,
                          gradient_checkpointing=False, **extra)
 
@@ -164,7 +167,7 @@ def scenario_sft(tmp: str):
 
 
 def main():
-    init_test_ranks(timeout_s=60)
+    init_ranks(timeout_s=60)
     with shared_tmpdir("odc_hf_") as tmp:  # removed when the scenario is done
         globals()[f"scenario_{sys.argv[1]}"](tmp)
     shutdown_and_exit()

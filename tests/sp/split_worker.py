@@ -209,17 +209,12 @@ def main():
     parser.add_argument("--checkpointing", action="store_true", help="activation checkpointing (non-reentrant)")
     parser.add_argument("--chunked-loss", action="store_true", help="the model's chunked loss (use_chunked_loss)")
     args = parser.parse_args()
-    if os.environ.get("ODC_TEST_CUDA") == "1":  # the same scenarios on GPUs (tests/gpu/test_split_gpu.py)
-        import datetime
-
-        import deepspeed
+    cuda = os.environ.get("ODC_TEST_CUDA") == "1"  # the same scenarios on GPUs (tests/gpu/test_split_gpu.py)
+    init_test_ranks(timeout_s=120 if cuda else 60 if args.scenario == "train" else args.timeout * 2)
+    if cuda:
+        from ds_odc.training.distributed import training_device
         global DEVICE
-        local_rank = int(os.environ.get("LOCAL_RANK", 0))
-        torch.cuda.set_device(local_rank)
-        DEVICE = torch.device("cuda", local_rank)
-        deepspeed.init_distributed(dist_backend="nccl", timeout=datetime.timedelta(seconds=120))
-    else:
-        init_test_ranks(timeout_s=60 if args.scenario == "train" else args.timeout * 2)
+        DEVICE = training_device()
     globals()[f"scenario_{args.scenario}"](args)
     shutdown_and_exit()
 

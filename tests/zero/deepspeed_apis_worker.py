@@ -10,7 +10,8 @@ ODC is from stock at each point:
 * ``backward_read_zero_grad_repeated``: several backward passes without a step, each read with
   ``optimizer.get_fp32_grad_partitions()``, with and without ``zero_grad()`` in between (accumulate or overwrite),
   then the step.
-* ``save_16bit_model``: the consolidated 16-bit state dict written after training.
+* ``save_16bit_model``: the consolidated 16-bit state dict written after training (into ``--dir``, a folder the test
+  owns).
 * ``unwrap_for_generation``: logits and greedy tokens inside ``unwrap_model_for_generation`` (hooks removed,
   parameters gathered), then a training step after the hooks are back.
 """
@@ -18,9 +19,9 @@ ODC is from stock at each point:
 from __future__ import annotations
 
 import argparse
+import functools
 import os
 import sys
-import tempfile
 
 import torch
 import torch.distributed as dist
@@ -70,25 +71,24 @@ def backward_read_zero_grad_repeated(odc) -> dict:
         engine.step()
         tag = "zero_grad" if zero_grad else "accumulate"
         # every rank's own partition differs: gather them so rank 0 compares all of them
-        local = torch.cat(reads)
+        local = torch.cat(reads).to(engine.device)
         gathered = [torch.empty_like(local) for _ in range(dist.get_world_size())]
-        dist.all_gather(gathered, local.to(engine.device))
+        dist.all_gather(gathered, local)
         out[f"grad_partitions_read_{tag}"] = torch.cat([g.cpu() for g in gathered])
         out[f"params_after_{tag}"] = flat(full_params(engine).values())
     return out
 
 
-def save_16bit_model(odc) -> dict:
+def save_16bit_model(odc, folder: str) -> dict:
     engine = build(tiny_llama(), ds_config(odc, optimizer="sgd",
                                            extra_zero={"stage3_gather_16bit_weights_on_model_save": True}))
     for step in range(2):
         backward_on(engine, step)
         engine.step()
-    folder = [tempfile.mkdtemp(prefix="odc_16bit_") if dist.get_rank() == 0 else None]
-    dist.broadcast_object_list(folder, src=0)
-    engine.save_16bit_model(folder[0], "model.bin")
+    folder = os.path.join(folder, "odc" if odc else "stock")
+    engine.save_16bit_model(folder, "model.bin")
     dist.barrier()
-    saved = torch.load(os.path.join(folder[0], "model.bin"), map_location="cpu", weights_only=True)
+    saved = torch.load(os.path.join(folder, "model.bin"), map_location="cpu", weights_only=True)
     return {"saved_16bit_state_dict": flat(saved[k] for k in sorted(saved)),
             "params_after_16bit_save": flat(full_params(engine).values())}
 
@@ -115,10 +115,12 @@ SECTIONS = [zero_grad_then_step, backward_read_zero_grad_repeated, save_16bit_mo
 def main():
     parser = argparse.ArgumentParser()
     parser.add_argument("--only", default="", help="comma-separated section names (default: all)")
+    parser.add_argument("--dir", required=True, help="a folder the test owns and removes (save_16bit_model)")
     parser.add_argument("--local_rank", type=int, default=None)
     args = parser.parse_args()
     init_ranks(timeout_s=60)
-    sections = [s for s in SECTIONS if not args.only or s.__name__ in args.only.split(",")]
+    sections = [functools.partial(s, folder=args.dir) if s is save_16bit_model else s
+                for s in SECTIONS if not args.only or s.__name__ in args.only.split(",")]
     out = odc_vs_stock(sections, flat(full_params(tiny_llama()).values()))
     if dist.get_rank() == 0:
         emit(out)
