@@ -31,6 +31,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import shutil
 import subprocess
 import sys
 import time
@@ -100,10 +101,9 @@ def run_worker(args) -> dict:
     from ds_odc.training.distributed import init_distributed
     init_distributed()
     from datasets import Dataset
-    from transformers import AutoModelForCausalLM, LogitsProcessorList, Qwen2Config, TrainerCallback
+    from transformers import LogitsProcessorList, TrainerCallback
     from trl import GRPOConfig, GRPOTrainer
 
-    from ds_odc.balancer.presets import MODEL_SHAPES
     from ds_odc.integrations.trl_grpo import OdcGRPOTrainer
     sys.path.insert(0, str(ROOT / "examples"))
     from toy_text import char_tokenizer
@@ -124,14 +124,11 @@ def run_worker(args) -> dict:
         num_iterations=args.num_iterations, learning_rate=1e-6, optim="adamw_torch", lr_scheduler_type="constant",
         logging_steps=1, save_strategy="no", report_to=[], use_cpu=not on_gpu, bf16=on_gpu,
         gradient_checkpointing=on_gpu, seed=args.seed, disable_tqdm=True, log_completions=False,
-        deepspeed=ds_config, dataloader_num_workers=0, temperature=1.0)
+        deepspeed=ds_config, dataloader_num_workers=0, temperature=1.0,
+        model_init_kwargs={"dtype": "bfloat16" if on_gpu else "float32"})
     tokenizer = char_tokenizer()
-    shape = dict(MODEL_SHAPES[SHAPES[args.model]])
-    model_config = Qwen2Config(**shape, max_position_embeddings=args.prompt_len + args.max_completion + 64,
-                               pad_token_id=tokenizer.pad_token_id, eos_token_id=tokenizer.eos_token_id,
-                               bos_token_id=None, attn_implementation="sdpa")
-    torch.manual_seed(args.seed)
-    model = AutoModelForCausalLM.from_config(model_config, dtype=torch.bfloat16 if on_gpu else torch.float32)
+    model = str(model_folder(args))  # every mode loads the same weights (TRL builds the reference model from the
+    # path too)
     prompts = prompt_texts(args, args.prompts)
     dataset = Dataset.from_dict({"prompt": [prompts[i % len(prompts)] for i in range(args.prompts * 64)]})
     clock = {"rollout": 0.0}
@@ -237,9 +234,34 @@ def run_worker(args) -> dict:
     return result
 
 
+def model_folder(args) -> Path:
+    return Path(args.out) / f"model-{args.model}"
+
+
+def save_model(args, folder: Path) -> None:
+    """The random-init model of ``--model``'s shape, once, as a local checkpoint (bf16 when a GPU will train it)."""
+    import torch
+    from transformers import AutoModelForCausalLM, Qwen2Config
+
+    from ds_odc.balancer.presets import MODEL_SHAPES
+    sys.path.insert(0, str(ROOT / "examples"))
+    from toy_text import char_tokenizer
+    tokenizer = char_tokenizer()
+    config = Qwen2Config(**MODEL_SHAPES[SHAPES[args.model]],
+                         max_position_embeddings=args.prompt_len + args.max_completion + 64,
+                         pad_token_id=tokenizer.pad_token_id, eos_token_id=tokenizer.eos_token_id, bos_token_id=None)
+    torch.manual_seed(args.seed)
+    model = AutoModelForCausalLM.from_config(config, dtype=torch.bfloat16 if torch.cuda.is_available() else None)
+    model.save_pretrained(folder)
+    tokenizer.save_pretrained(folder)
+
+
 def orchestrate(args) -> int:
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
+    started = time.perf_counter()
+    save_model(args, model_folder(args))
+    print(f"model: saved in {time.perf_counter() - started:.0f} s", flush=True)
     env = dict(os.environ)
     env["PYTHONPATH"] = os.pathsep.join(p for p in [str(ROOT), env.get("PYTHONPATH", "")] if p)
     results = {}
@@ -257,6 +279,7 @@ def orchestrate(args) -> int:
         if not ok:
             print(f"{mode}: FAILED\n{tail}", flush=True)
         print(f"{mode}: done in {time.perf_counter() - started:.0f} s", flush=True)
+    shutil.rmtree(model_folder(args), ignore_errors=True)  # the 1.5B shape's weights are 3 GB
     table = report(results, args)
     (out / "grpo.md").write_text(table)
     (out / "grpo.json").write_text(json.dumps(results, indent=1))
