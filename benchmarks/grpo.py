@@ -17,8 +17,8 @@ and the model's shape comes from ``ds_odc.balancer.presets.MODEL_SHAPES``.
 | mode | trainer |
 |---|---|
 | ``stock`` | ``trl.GRPOTrainer``, stock ZeRO-3 |
-| ``odc-padded`` | ``OdcGRPOTrainer(padding_free=False)``: LB-Mini shares, padded microbatches under the stock microbatch's size |
-| ``odc-packed`` | ``OdcGRPOTrainer(padding_free=True)``: LB-Mini packed rows (``ds_odc_varlen``) under the same token budget |
+| ``odc-padded`` | ``OdcGRPOTrainer(padding_free=False)``: padded microbatches up to the stock microbatch's size |
+| ``odc-packed`` | ``OdcGRPOTrainer(padding_free=True)``: packed rows (``ds_odc_varlen``) of the same token budget |
 
 Per optimizer step after ``--warmup`` steps: the step's wall time (first microbatch to the end of the optimizer step,
 device synchronised), the rollout's time inside it, and the training phase (step less rollout: scoring, old /

@@ -15,8 +15,8 @@ import contextlib
 import inspect
 
 __all__ = ["TRANSFORMERS_PRIVATES", "ACCELERATE_PRIVATES", "TRL_GRPO_PRIVATES", "TRL_SFT_PRIVATES",
-           "check_transformers", "check_trl", "set_sync_gradients", "loss_shifts_labels", "remove_unused_columns",
-           "rank_local_collectives"]
+           "INSTANCE_ATTRIBUTES", "check_transformers", "check_trl", "check_trl_instance", "set_sync_gradients",
+           "loss_shifts_labels", "remove_unused_columns", "rank_local_collectives"]
 
 TRL_SUPPORTED = ">=1.16,<1.17"
 
@@ -44,8 +44,13 @@ TRL_GRPO_PRIVATES = {
     "_compute_loss": "called on each group of samples that shared a stock microbatch: TRL's own loss and metrics",
     "_metrics": "redirected while ODC trains a step: TRL's metrics are combined over ranks once, at the step",
     "_step": "TRL's microstep counter, which decides when to generate: advanced once per Trainer microstep",
+    "_tokenizer": "read: the pad token of the microbatches ODC collates",
+    "_is_vlm": "read: vision-language models are refused (their image inputs are not moved between ranks)",
 }
 # trl.SFTTrainer
+# Set by the trainers' __init__: checked on the built trainer (check_trl_instance), not at import.
+INSTANCE_ATTRIBUTES = ("_metrics", "_step", "_tokenizer", "_is_vlm", "_total_train_tokens")
+
 TRL_SFT_PRIVATES = {
     "_metrics": "redirected while ODC trains a step: TRL's metrics are combined over ranks once, at the step",
     "_total_train_tokens": "the running token count TRL logs as num_tokens, set from all ranks' tokens at the step",
@@ -70,7 +75,8 @@ def check_transformers() -> None:
     from accelerate.state import GradientState
     from transformers import Trainer
 
-    missing = [f"Trainer.{n}" for n in _missing(Trainer, [n for n in TRANSFORMERS_PRIVATES if n != "_loss_shifts_labels"])]
+    methods = [n for n in TRANSFORMERS_PRIVATES if n != "_loss_shifts_labels"]  # an attribute, read with a default
+    missing = [f"Trainer.{n}" for n in _missing(Trainer, methods)]
     missing += [f"accelerate.{n}" for n in ACCELERATE_PRIVATES if not hasattr(GradientState, n.split(".")[1])]
     if missing:
         raise ImportError(f"ds_odc: OdcTrainer needs {', '.join(missing)}, which transformers "
@@ -79,14 +85,21 @@ def check_transformers() -> None:
 
 
 def check_trl(trainer_cls, privates: dict) -> None:
-    """Fail at import, with the version, if TRL's ``trainer_cls`` lacks a private listed in ``privates``.
-    (``_metrics`` and the other instance attributes are set in ``__init__``; only methods are checked here.)"""
-    import trl
-    methods = [n for n in privates if not n.startswith("_metrics") and n not in ("_step", "_total_train_tokens")]
-    missing = _missing(trainer_cls, methods)
+    """Fail at import, with the version, if TRL's ``trainer_cls`` lacks a method listed in ``privates``."""
+    _raise_missing(trainer_cls.__name__, _missing(trainer_cls, [n for n in privates if n not in INSTANCE_ATTRIBUTES]))
+
+
+def check_trl_instance(trainer, privates: dict) -> None:
+    """The same for the instance attributes in ``privates``, on a trainer that TRL's ``__init__`` has built."""
+    _raise_missing(type(trainer).__name__, [n for n in privates if n in INSTANCE_ATTRIBUTES
+                                            and not hasattr(trainer, n)])
+
+
+def _raise_missing(owner: str, missing: list[str]) -> None:
     if missing:
-        raise ImportError(f"ds_odc: {trainer_cls.__name__} needs {', '.join(missing)}, which trl {trl.__version__} "
-                          f"lacks; ds_odc is tested with trl 1.16 (pip install 'trl{TRL_SUPPORTED}')")
+        import trl
+        raise ImportError(f"ds_odc: {owner} needs {', '.join(missing)}, which trl {trl.__version__} lacks; ds_odc "
+                          f"is tested with trl 1.16 (pip install 'trl{TRL_SUPPORTED}')")
 
 
 def set_sync_gradients(accelerator, value: bool) -> None:

@@ -4,9 +4,10 @@ After generation every rank holds the completions it generated (its *generation 
 *slots* of ``B`` rows, one slot per accumulation step of the stock trainer). LB-Mini then spreads each optimizer
 step's samples (``gas`` slots of every rank) over the ranks by cost, so each rank trains a share of about equal
 work with its own number of microbatches: packed rows of at most ``max_tokens`` tokens (padding-free), or padded
-microbatches of at most ``max_tokens`` rows x padded width. Lengths are gathered once per generation batch; every rank computes every
-plan from them (no communication), and one ``all_to_all_single`` moves each sample's tensors (tokens, masks,
-advantages, old/reference log-probs) to the rank that trains it, for all the optimizer steps of the batch at once.
+microbatches of at most ``max_tokens`` rows x padded width. Lengths are gathered once per generation batch; every
+rank computes every plan from them (no communication), and one ``all_to_all_single`` moves each sample's tensors
+(tokens, masks, advantages, old/reference log-probs) to the rank that trains it, for all the optimizer steps of the
+batch at once.
 
 Per-sample tensors travel as float64 (exact for token ids below 2**53 and for fp32/bf16 values) and come back in
 their own dtype.

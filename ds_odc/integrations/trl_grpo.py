@@ -43,7 +43,8 @@ from ds_odc.balancer.cost import get_cost_model
 from ds_odc.balancer.sampler import auto_cost_prior
 from ds_odc.integrations import _rollout as rollout
 from ds_odc.integrations._completions import pack_completions, score_completions
-from ds_odc.integrations._hf_privates import TRL_GRPO_PRIVATES, check_trl, rank_local_collectives
+from ds_odc.integrations._hf_privates import (TRL_GRPO_PRIVATES, check_trl, check_trl_instance,
+                                              rank_local_collectives)
 from ds_odc.integrations._metrics import BalanceMeter
 from ds_odc.integrations._step import OdcStep, load_balancer_state, resolve_checkpoint, save_balancer_state
 from ds_odc.integrations._stock_metrics import SlotMetrics, combine
@@ -128,6 +129,8 @@ class OdcGRPOTrainer(OdcStep, GRPOTrainer):
                                  "(PEFT/LoRA adapters are not tested with ODC yet): train without ODC, or merge the "
                                  "adapter into a full fine-tune")
         super().__init__(model, reward_funcs, args, *trainer_args, **trainer_kwargs)
+        if self.odc:
+            check_trl_instance(self, TRL_GRPO_PRIVATES)
         if self.odc and (self._is_vlm or self.aux_loss_enabled):
             raise ValueError("ds_odc: OdcGRPOTrainer with zero_optimization.odc does not support "
                              + ("vision-language models (their image inputs are not moved between ranks yet)"
@@ -327,7 +330,7 @@ class OdcGRPOTrainer(OdcStep, GRPOTrainer):
     def _odc_step_samples(self) -> int:
         return self.args.per_device_train_batch_size * self.current_gradient_accumulation_steps * self.args.world_size
 
-    # -- checkpoints ----------------------------------------------------------------------------------------------------
+    # -- checkpoints --------------------------------------------------------------------------------------------------
     def train(self, resume_from_checkpoint=None, *args, **kwargs):
         if self.odc:
             resume_from_checkpoint = resolve_checkpoint(self.args.output_dir, resume_from_checkpoint)

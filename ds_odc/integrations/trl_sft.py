@@ -24,7 +24,7 @@ import numpy as np
 import torch
 from trl import SFTTrainer
 
-from ds_odc.integrations._hf_privates import TRL_SFT_PRIVATES, check_trl, rank_local_collectives
+from ds_odc.integrations._hf_privates import TRL_SFT_PRIVATES, check_trl, check_trl_instance, rank_local_collectives
 from ds_odc.integrations._stock_metrics import SlotMetrics, combine
 from ds_odc.integrations.transformers import OdcTrainer
 
@@ -48,6 +48,7 @@ class OdcSFTTrainer(OdcTrainer, SFTTrainer):
         self._odc_outputs: list | None = None  # the fused forward's outputs while ODC trains a microbatch
         self._odc_slot_metrics: SlotMetrics | None = None
         if self.odc:
+            check_trl_instance(self, TRL_SFT_PRIVATES)
             self.model.register_forward_hook(self._odc_keep_outputs)
 
     def _odc_keep_outputs(self, module, args, output):
