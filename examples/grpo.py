@@ -53,8 +53,8 @@ def parse_args():
     p.add_argument("--per-device-batch", type=int)
     p.add_argument("--num-generations", type=int)
     p.add_argument("--grad-accum", type=int)
-    p.add_argument("--max-tokens", type=int, help="token budget of one padded microbatch (default: the largest "
-                                                    "microbatch the stock trainer would run)")
+    p.add_argument("--max-tokens", type=int, help="token budget of one microbatch, a padding-free row (default: "
+                                                    "the largest microbatch the stock trainer would run)")
     p.add_argument("--residency", default="auto", choices=["auto", "full", "block"],
                    help="generation: keep the read parameters for the whole generate call (full) or read per block")
     p.add_argument("--output-dir", default="runs/grpo")
