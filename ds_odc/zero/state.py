@@ -15,6 +15,10 @@ step to step (each parameter's place, each fetch group's and gradient bucket's t
 Gradients read, written or dropped between ``backward`` and ``step`` (:meth:`settle`, :meth:`discard`) and shards
 written outside the step (:meth:`publish_writes`, replaced shards in :meth:`fetch`) are made to behave as under
 stock ZeRO-3, where every rank meets at those points anyway.
+
+With hybrid sharding (``odc.shard_size``, :mod:`ds_odc.zero.hybrid`) the transport spans one shard group, and the
+fence also meets the whole job and sums each accumulated shard over its replicas (:class:`~ds_odc.zero.hybrid.
+Replicas`), once per step; shards written outside the step are copied from the first shard group to the others.
 """
 
 from __future__ import annotations
@@ -29,6 +33,7 @@ from deepspeed.runtime.zero.partition_parameters import ZeroParamStatus
 from ds_odc.config import OdcConfig
 from ds_odc.ops import make_transport
 from ds_odc.ops.transport import GatherPlan, OdcError, ScatterPlan, Segment, SymmetricBuffer, Transport
+from ds_odc.zero.hybrid import HybridGroups, Replicas
 
 NOT_AVAILABLE, INFLIGHT, AVAILABLE = ZeroParamStatus.NOT_AVAILABLE, ZeroParamStatus.INFLIGHT, ZeroParamStatus.AVAILABLE
 
@@ -86,8 +91,10 @@ Accumulation = Callable[[], tuple[str, bool]]
 class OdcState:
     """The ODC half of one engine's ZeRO-3 step (see the module docstring)."""
 
-    def __init__(self, config: OdcConfig):
+    def __init__(self, config: OdcConfig, groups: HybridGroups | None = None):
         self.config = config
+        self.groups = groups  # None: one shard group holds every rank
+        self.replicas: Replicas | None = None
         self.transport: Transport | None = None
         self.shards: dict[int, ShardPlace] = {}
         self.params: dict[int, torch.nn.Parameter] = {}
@@ -107,9 +114,26 @@ class OdcState:
 
     # -- placement (once, while DeepSpeed builds its optimizer) --------------------------------------------------------
     def connect(self, device: torch.device, process_group) -> Transport:
+        """Start the transport over ``process_group``: the ranks DeepSpeed partitions over (the shard group)."""
         if self.transport is None:
-            self.transport = make_transport(self.config, device, process_group)
+            if self.groups is None:
+                self.transport = make_transport(self.config, device, process_group)
+            else:
+                self.transport = make_transport(self.config, device, process_group, self.groups.shard_control,
+                                                self.groups.job_control)
+                self.replicas = Replicas(self.groups, self.config.timeout_s)
         return self.transport
+
+    @property
+    def average_over(self) -> int:
+        """Every rank's gradient counts 1/W, W the whole job (as the reduce-scatter that pushes replace)."""
+        replicas = 1 if self.groups is None else self.groups.layout.replicas
+        return self.transport.world_size * replicas
+
+    def sync_replicas(self) -> None:
+        """Give every shard group the first group's shards (a no-op without hybrid sharding)."""
+        if self.replicas is not None:
+            self.replicas.broadcast_([b.local for b in [self.trainable, *self.frozen] if b is not None])
 
     def place_trainable(self, params: Iterable[torch.nn.Parameter], flat: torch.Tensor) -> torch.Tensor:
         """Move DeepSpeed's flat buffer of trainable shards (``lp_param_buffer``) into symmetric memory, at the same
@@ -225,7 +249,7 @@ class OdcState:
             plan = self._push_plans[key] = self.transport.plan_scatter(self.accumulator, segments,
                                                                        [p.ds_numel for p in params])
         self.transport.scatter_accumulate(plan, [p.grad.reshape(-1) for p in params],
-                                          scale=1.0 / self.transport.world_size)
+                                          scale=1.0 / self.average_over)
         self.open, self.settled = True, False
 
     def declare_boundary(self) -> None:
@@ -234,9 +258,14 @@ class OdcState:
 
     # -- hop three: the step ------------------------------------------------------------------------------------------
     def fence(self, what: str = "the fence at the optimizer step") -> None:
-        """Meet every rank; afterwards every push issued before any rank arrived is in the accumulator."""
+        """Meet every rank; afterwards every push issued before any rank arrived is in the accumulator (with hybrid
+        sharding: summed over every shard group)."""
         started = time.perf_counter()
+        if self.replicas is not None:
+            self.replicas.meet(what)  # the whole job: names a missing rank in any group, on every rank
         self.transport.fence([self.accumulator], what)
+        if self.replicas is not None:
+            self.replicas.sum_(self.accumulator.local)
         self.wait_s += time.perf_counter() - started
         self.settled = True
 
@@ -244,6 +273,8 @@ class OdcState:
         """Empty the accumulator and meet the other ranks, so that nobody reads a shard before its owner updated it
         or pushes into an accumulator before its owner emptied it."""
         self.transport.zero_([self.accumulator])
+        if self.replicas is not None:
+            self.replicas.forget_summed()
         started = time.perf_counter()
         self.transport.barrier("the barrier after the optimizer step")
         self.wait_s += time.perf_counter() - started
@@ -275,6 +306,8 @@ class OdcState:
                            "set_gradient_accumulation_boundary(True) and the last backward, or after engine.step().")
         what = f"completing this minibatch's gradients early for {why} (every rank must do it)"
         self.fence(what)
+        if self.replicas is not None:  # summed over the replicas now: the step sums only what is pushed after
+            self.replicas.keep_summed(self.accumulator.local)
         # Meet once more: a peer past the fence must not push its next microbatch into slots this rank still drains.
         self.transport.barrier(what)
 
@@ -291,11 +324,15 @@ class OdcState:
         """The first push after ``discard``: empty this rank's accumulator, then meet, so that no peer's push of the
         new microbatch lands in an accumulator before its owner emptied it."""
         self.transport.zero_([self.accumulator])
+        if self.replicas is not None:
+            self.replicas.forget_summed()
         self.transport.barrier("emptying the gradients dropped by optimizer.zero_grad() (every rank must do it)")
         self.overwrite = False
 
     def publish_writes(self, why: str) -> None:
-        """Shards were written outside the step (on every rank): meet, so peers read the new values."""
+        """Shards were written outside the step (on every rank): meet, so peers read the new values (with hybrid
+        sharding, the first shard group's, as stock takes a modifier's write from rank 0)."""
+        self.sync_replicas()
         self.transport.barrier(f"publishing parameters written by {why} (every rank must do it)")
 
     def _adopt_replaced_shards(self) -> None:
