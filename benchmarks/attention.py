@@ -27,7 +27,7 @@ import torch.nn.functional as F
 
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
-from ds_odc import attention  # noqa: E402
+from ds_odc.training import attention  # noqa: E402
 from ds_odc.balancer.presets import longtail_from_normals  # noqa: E402
 
 

@@ -20,15 +20,15 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 
-from ds_odc.attention import restrict_sdpa_backends
-from ds_odc.balancer.collate import PackedCollator
+from ds_odc.training.attention import restrict_sdpa_backends
+from ds_odc.training.collate import PackedCollator
 from ds_odc.balancer.sampler import BalancedBatchSampler
-from ds_odc.loss import global_mean_weight
-from ds_odc.metrics import StepClock, gather_step, summarize
-from ds_odc.profiling import decoder_layers, describe, profile_step
-from ds_odc.sft_cli import (cost_from_args, on_device, plan_attention, prepare_model, samples_from_args,
+from ds_odc.training.loss import global_mean_weight
+from ds_odc.training.metrics import StepClock, gather_step, summarize
+from ds_odc.training.profiling import decoder_layers, describe, profile_step
+from ds_odc.recipes.sft import (cost_from_args, on_device, plan_attention, prepare_model, samples_from_args,
                             sft_argument_parser)
-from ds_odc.workloads import model_config, sample_tokens
+from ds_odc.recipes.workloads import model_config, sample_tokens
 
 
 def main():

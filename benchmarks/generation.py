@@ -108,7 +108,7 @@ def run_worker(args) -> dict:
     on_gpu = torch.cuda.is_available()
     if mode.startswith("odc"):
         import ds_odc  # noqa: F401
-    from ds_odc.distributed import init_distributed
+    from ds_odc.training.distributed import init_distributed
     init_distributed()
     device, dtype = (torch.device("cuda", 0), torch.bfloat16) if on_gpu else (torch.device("cpu"), torch.float32)
     config = Qwen2Config(**SHAPES[args.model], max_position_embeddings=4096, pad_token_id=PAD, eos_token_id=EOS,

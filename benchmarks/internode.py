@@ -31,7 +31,7 @@ from ds_odc.balancer.presets import get_preset
 from ds_odc.balancer.simulate import simulate
 from ds_odc.balancer.traffic import (SCHEMES, Precision, allreduce_bytes_per_node, internode_bytes_per_node,
                                      InterNode, parameter_count, state_bytes_per_gpu)
-from ds_odc.workloads import MODEL_SHAPES
+from ds_odc.balancer.presets import MODEL_SHAPES
 
 SHAPES = ("qwen2.5-1.5b", "qwen2.5-7b")
 PLANNER_OF = {"zero3": "lb-micro", "mics": "lb-micro", "odc": "lb-mini", "hybrid": "lb-mini"}
@@ -104,8 +104,9 @@ def main() -> None:
     started = time.perf_counter()
     print(f"# {time.strftime('%Y-%m-%d')}, {platform.processor() or platform.machine()}, python "
           f"{platform.python_version()}")
+    unused = {"nodes"} if args.simulate else {"simulate", "ranks", "tflops", "microbatch_overhead"}
     print("# python benchmarks/internode.py " + " ".join(
-        f"--{k.replace('_', '-')} {v}" for k, v in vars(args).items() if v is not False).replace(" True", ""))
+        f"--{k.replace('_', '-')}" + ("" if v is True else f" {v}") for k, v in vars(args).items() if k not in unused))
     if args.simulate:
         simulated_tables(args)
         print(f"\n({time.perf_counter() - started:.1f} s)")

@@ -49,10 +49,10 @@ def main() -> int:
     from ds_odc.balancer.cost import QuadraticCost
     from ds_odc.balancer.sp import SplitPolicy
     from ds_odc.config import odc_config_from_ds_config
-    from ds_odc.distributed import init_distributed, runs_on_cpu, shutdown_and_exit
-    from ds_odc.loss import use_chunked_loss
-    from ds_odc.sequence_parallel import SequenceParallel
-    from ds_odc.workloads import model_config
+    from ds_odc.training.distributed import init_distributed, runs_on_cpu, shutdown_and_exit
+    from ds_odc.training.loss import use_chunked_loss
+    from ds_odc.training.sequence_parallel import SequenceParallel
+    from ds_odc.recipes.workloads import model_config
 
     init_distributed()
     rank, world = dist.get_rank(), dist.get_world_size()

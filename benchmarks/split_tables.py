@@ -28,8 +28,7 @@ from ds_odc.balancer.cost import QuadraticCost
 from ds_odc.balancer.planners import plan_minibatch
 from ds_odc.balancer.simulate import simulate
 from ds_odc.balancer.sp import SplitPolicy, plan_split, split_step_time
-from ds_odc.balancer.presets import get_preset
-from ds_odc.workloads import MODEL_SHAPES
+from ds_odc.balancer.presets import MODEL_SHAPES, get_preset
 
 PLANNERS = ("local-sort", "lb-micro", "lb-mini", "lb-mini-sp")
 CASES = (("agent", 8, None), ("long-sft", 4, 65536))

@@ -24,9 +24,9 @@ _LAZY_EXPORTS = {
     "OdcConfig": "ds_odc.config",
     "FenceTimeout": "ds_odc.ops.transport",
     "OdcError": "ds_odc.ops.transport",
-    "global_mean_weight": "ds_odc.loss",
-    "token_loss_sum": "ds_odc.loss",
-    "count_loss_tokens": "ds_odc.loss",
+    "global_mean_weight": "ds_odc.training.loss",
+    "token_loss_sum": "ds_odc.training.loss",
+    "count_loss_tokens": "ds_odc.training.loss",
 }
 __all__ = [*_LAZY_EXPORTS, "patch", "__version__"]
 

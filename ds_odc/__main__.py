@@ -15,9 +15,9 @@ def main(argv: list[str] | None = None) -> int:
     check.add_argument("config", help="ds_config JSON file")
     args = parser.parse_args(argv)
     if args.command == "check":
-        from ds_odc.config_check import main as check_main
+        from ds_odc.cli.check import main as check_main
         return check_main(args.config)
-    from ds_odc.env_report import main as report_main
+    from ds_odc.cli.report import main as report_main
     return report_main()
 
 

@@ -65,7 +65,7 @@ def worker(args) -> None:
     import sft
     import torch.distributed as dist
 
-    from ds_odc.distributed import init_distributed, shutdown_and_exit
+    from ds_odc.training.distributed import init_distributed, shutdown_and_exit
 
     init_distributed()
     runs = {}

@@ -16,17 +16,17 @@ from pathlib import Path
 import torch
 
 import ds_odc  # noqa: F401  (before the model is built: installs the odc config key)
-from ds_odc.attention import restrict_sdpa_backends
-from ds_odc.balancer.collate import PackedCollator
+from ds_odc.training.attention import restrict_sdpa_backends
+from ds_odc.training.collate import PackedCollator
 from ds_odc.balancer.sampler import BalancedBatchSampler
 from ds_odc.config import odc_config_from_ds_config
-from ds_odc.loss import global_mean_weight
-from ds_odc.metrics import StepClock, gather_step, summarize
-from ds_odc.profiling import decoder_layers, describe, profile_step
-from ds_odc.sft_cli import (cost_from_args, on_device, plan_attention, prepare_model, samples_from_args,
+from ds_odc.training.loss import global_mean_weight
+from ds_odc.training.metrics import StepClock, gather_step, summarize
+from ds_odc.training.profiling import decoder_layers, describe, profile_step
+from ds_odc.recipes.sft import (cost_from_args, on_device, plan_attention, prepare_model, samples_from_args,
                             sft_argument_parser)
-from ds_odc.distributed import init_distributed, shutdown_and_exit
-from ds_odc.workloads import model_config, sample_tokens
+from ds_odc.training.distributed import init_distributed, shutdown_and_exit
+from ds_odc.recipes.workloads import model_config, sample_tokens
 
 
 def parse_args(argv=None):
@@ -59,7 +59,7 @@ def build_model(args, ds_config: dict, device: torch.device):
 def main(argv=None):
     args = parse_args(argv)
     restrict_sdpa_backends(args.sdpa_backends)
-    init_distributed()
+    init_distributed(shared_gpu=args.shared_gpu or None)
     train(args)
     shutdown_and_exit()
 
@@ -126,7 +126,7 @@ def train(args) -> dict | None:
                            for j in mb]
                 row = on_device(collate(samples), device)
                 engine.set_gradient_accumulation_boundary(i == k - 1)
-                # The loss sum divided by N / W: this microbatch's share of the global mean (ds_odc.loss).
+                # The loss sum divided by N / W: this microbatch's share of the global mean (ds_odc.training.loss).
                 loss = engine(**row, num_items_in_batch=1 / weight).loss
                 engine.backward(loss, scale_wrt_gas=False)
                 engine.step()

@@ -1,7 +1,7 @@
 """Every launcher a user may pick trains ODC correctly and leaves nothing behind in /dev/shm.
 
 Also runs under mpirun, whose MPICH keeps a segment in /dev/shm until MPI is finalized: the rank scripts end with
-``ds_odc.distributed.shutdown_and_exit``, which must finalize MPI before its hard exit.
+``ds_odc.training.distributed.shutdown_and_exit``, which must finalize MPI before its hard exit.
 """
 
 import os

@@ -1,10 +1,9 @@
 """Minibatch load balancing for ODC (LB-Mini), its collective-compatible baselines, and a simulator.
 
 No ``torch.distributed`` here: world size and rank are plain ints and every rank computes the same plan from the
-same inputs (the automatic cost too: it is fitted from numbers every rank already has).  Only the packed collator needs torch; it is imported lazily.  See docs/BALANCER.md.
+same inputs (the automatic cost too: it is fitted from numbers every rank already has). No torch either: the packed
+collator that turns a plan's microbatches into rows is ``ds_odc.training.collate``. See docs/BALANCER.md.
 """
-
-from typing import Any
 
 from .autocost import AutoCost, CostUpdate
 from .checks import DataError, DataReport
@@ -40,16 +39,5 @@ __all__ = [
     "lengths_from_dataset",
     "lengths_from_file",
     "sq_lengths_from_dataset",
-    "PackedCollator",
 ]
 
-_LAZY = {"PackedCollator"}
-
-
-def __getattr__(name: str) -> Any:
-    """Import the torch-based collator only when it is used."""
-    if name in _LAZY:
-        from . import collate
-
-        return getattr(collate, name)
-    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")

@@ -1,7 +1,7 @@
 """The automatic cost (``cost="auto"``): a cost model refitted every step from the busy times the ranks measured.
 
 Every step, each rank reports its busy seconds, tokens ``T``, sum of squared document lengths ``S`` and
-microbatch count ``M`` (``ds_odc.metrics.gather_step`` brings every rank's numbers to every rank). Over the
+microbatch count ``M`` (``ds_odc.training.metrics.gather_step`` brings every rank's numbers to every rank). Over the
 recent steps :class:`AutoCost` fits
 
     busy = a*T + b*S + c*M + d

@@ -5,7 +5,7 @@ differs, so all ranks draw the same global minibatches and compute the same plan
 
 The cost it balances is learned by default (``cost="auto"``, :mod:`ds_odc.balancer.autocost`): after every
 optimizer step, pass every rank's measured numbers to :meth:`BalancedBatchSampler.observe` (the same gathered
-numbers on every rank, e.g. the ``StepRecord`` of :func:`ds_odc.metrics.gather_step`), and the next plans use
+numbers on every rank, e.g. the ``StepRecord`` of :func:`ds_odc.training.metrics.gather_step`), and the next plans use
 the refitted cost. The samples are checked when the sampler is built (:mod:`ds_odc.balancer.checks`).
 
 Epoch order: with ``shuffle=True`` the dataset is permuted with ``numpy.random.default_rng([seed, epoch])``;
@@ -64,7 +64,7 @@ class RankBatch:
             leaves ``oversize="skip"`` samples out of every epoch up front).
         splits: ``planner="lb-mini-sp"``: ``{dataset index: ranks}`` of the split samples among this rank's
             microbatches (each alone in its microbatch); train this rank's slice of them with
-            :class:`ds_odc.sequence_parallel.SequenceParallel`.
+            :class:`ds_odc.training.sequence_parallel.SequenceParallel`.
     """
 
     microbatches: list[list[int]]
@@ -292,7 +292,7 @@ class BalancedBatchSampler:
     def observe(self, step_record: Any) -> CostUpdate | None:
         """Feed one trained step's per-rank numbers to the automatic cost (a no-op for a fixed cost).
 
-        ``step_record``: a ``StepRecord`` (``ds_odc.metrics.gather_step``), its ``per_rank`` list, or dicts with
+        ``step_record``: a ``StepRecord`` (``ds_odc.training.metrics.gather_step``), its ``per_rank`` list, or dicts with
         ``busy_s``, ``tokens``, ``sq_tokens`` and ``microbatches`` per rank -- the same on every rank, in rank order
         or not. Call it once per optimizer step, in order. Returns the update (coefficients, predicted vs measured
         step time) or ``None``.

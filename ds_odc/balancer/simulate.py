@@ -52,7 +52,7 @@ import numpy as np
 from .autocost import AutoCost
 from .cost import MICROBATCH_PRIOR_TOKENS, CostModel, FittedCost, QuadraticCost, TokenCost, get_cost_model
 from .planners import PLANNERS, Plan, effective_lengths, plan_minibatch
-from .presets import PRESETS, get_preset
+from .presets import MODEL_SHAPES, PRESETS, get_preset
 from .traffic import InterNode, parameter_count
 
 __all__ = ["SYNC_MODE", "PLAN_COSTS", "StepResult", "Machine", "simulate_step", "simulate", "main"]
@@ -401,10 +401,6 @@ def _model_config(spec: str) -> dict:
             return json.load(f)
     except FileNotFoundError:
         pass
-    try:
-        from ds_odc.workloads import MODEL_SHAPES  # the example's shapes (imports torch)
-    except ImportError:
-        MODEL_SHAPES = {}
     if spec in MODEL_SHAPES:
         return dict(MODEL_SHAPES[spec], model_type="qwen2")  # the shapes are Qwen2.5's
     raise SystemExit(f"--model-config {spec!r}: neither a JSON file nor a known model shape {sorted(MODEL_SHAPES)}")

@@ -1,10 +1,10 @@
-"""Balance metrics for trainer logs (``odc/*``): the steps of one logging window, as :mod:`ds_odc.metrics` counts
+"""Balance metrics for trainer logs (``odc/*``): the steps of one logging window, as :mod:`ds_odc.training.metrics` counts
 them (the same busy time, step time and bubble as ``examples/sft.py``), plus the automatic cost's coefficients
 and its predicted against measured step time."""
 
 from __future__ import annotations
 
-from ds_odc.metrics import StepRecord, bubble_rate
+from ds_odc.training.metrics import StepRecord, bubble_rate
 
 __all__ = ["BalanceMeter"]
 

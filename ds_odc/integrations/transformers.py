@@ -31,15 +31,15 @@ from transformers.trainer_utils import get_last_checkpoint
 from transformers.utils import logging
 
 import ds_odc
-from ds_odc.balancer.collate import PackedCollator
+from ds_odc.training.collate import PackedCollator
 from ds_odc.balancer.sampler import BalancedBatchSampler, lengths_from_dataset, sq_lengths_from_dataset
 from ds_odc.config import odc_config_from_ds_config
 from ds_odc.balancer.checks import check_label_lengths
 from ds_odc.integrations._metrics import BalanceMeter
 from ds_odc.integrations._packs import Pack, PackBatchSampler, PackCollator, PackDataset
-from ds_odc.attention import ATTENTION_NAME, remember_host_boundaries
-from ds_odc.loss import DEFAULT_CHUNK_TOKENS, count_loss_tokens, use_chunked_loss
-from ds_odc.metrics import StepClock, gather_step
+from ds_odc.training.attention import ATTENTION_NAME, remember_host_boundaries
+from ds_odc.training.loss import DEFAULT_CHUNK_TOKENS, count_loss_tokens, use_chunked_loss
+from ds_odc.training.metrics import StepClock, gather_step
 
 ds_odc.patch()  # the `odc` key must parse before TrainingArguments / zero.Init read the ds_config
 
@@ -78,13 +78,13 @@ class OdcTrainer(Trainer):
             ``"tokens"``, ``"quadratic"`` (the model config's FLOPs) or a CostModel.
         oversize: what to do with samples longer than the budget: ``"error"``, ``"truncate"`` or ``"skip"``.
         microbatch_collator: how a microbatch (a list of samples) becomes model inputs: ``"packed"`` (one padding-free
-            row, :class:`~ds_odc.balancer.collate.PackedCollator`), ``"trainer"`` (the ``data_collator``), or a
+            row, :class:`~ds_odc.training.collate.PackedCollator`), ``"trainer"`` (the ``data_collator``), or a
             callable. Default: the ``data_collator`` if one was passed, else ``"packed"``.
-        packed_attention: run attention as ``ds_odc_varlen`` (:mod:`ds_odc.attention`: each document of a packed
+        packed_attention: run attention as ``ds_odc_varlen`` (:mod:`ds_odc.training.attention`: each document of a packed
             row attends to itself only, no dense mask, no per-length planning). ``None`` (default): when the rows
             are packed (``"packed"`` collator) and the model uses ``sdpa`` or ``eager``.
         loss_chunk_tokens: with ODC, compute the training loss this many positions at a time without the full
-            logits (:func:`ds_odc.loss.use_chunked_loss`; not when a label smoother, ``compute_loss_func`` or
+            logits (:func:`ds_odc.training.loss.use_chunked_loss`; not when a label smoother, ``compute_loss_func`` or
             another library's patched forward needs the logits). ``None`` or 0: the model's own loss.
     """
 

@@ -39,7 +39,7 @@ from ds_odc.integrations import _rollout as rollout
 from ds_odc.integrations._metrics import BalanceMeter
 from ds_odc.integrations.generation import RESIDENCIES, is_odc_engine, lockstep_free
 from ds_odc.integrations.transformers import odc_enabled
-from ds_odc.metrics import StepClock, record_from_rows
+from ds_odc.training.metrics import StepClock, record_from_rows
 
 __all__ = ["OdcGRPOTrainer", "LOSS_WEIGHTS"]
 
@@ -214,7 +214,7 @@ class OdcGRPOTrainer(GRPOTrainer):
         # The one meeting per step: every rank, whatever its microbatch count (0 too), steps once at a boundary.
         engine.set_gradient_accumulation_boundary(True)
         engine.step()
-        # ds_odc.metrics' busy time, as every front end counts it: the step's wall time less the wait for peers.
+        # ds_odc.training.metrics' busy time, as every front end counts it: the step's wall time less the wait for peers.
         busy, step_time = clock.finish(float(getattr(engine.optimizer, "odc_wait_s", 0.0)))
         self._odc_end_of_step(scratch, busy, step_time, len(microbatches), tokens,
                               sum(len(ids) for ids in microbatches))

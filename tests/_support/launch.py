@@ -3,7 +3,7 @@
 Every distributed test goes through :func:`launch`, so no test can hang: the launcher kills the whole process
 group at the deadline, and :func:`init_test_ranks` gives the ranks a short process-group timeout and dumps Python
 stacks shortly before the deadline. A rank reports with :func:`emit` and ends with
-:func:`ds_odc.distributed.shutdown_and_exit`.
+:func:`ds_odc.training.distributed.shutdown_and_exit`.
 """
 
 from __future__ import annotations
@@ -155,8 +155,8 @@ def emit(payload: dict) -> None:
 
 def init_test_ranks(timeout_s: float = 60.0) -> None:
     """A CPU rank under :func:`launch`: dump Python stacks 10 s before the launcher's deadline (so a killed run
-    shows where it hung), then :func:`ds_odc.distributed.init_distributed` with a short process-group timeout."""
-    from ds_odc.distributed import init_distributed
+    shows where it hung), then :func:`ds_odc.training.distributed.init_distributed` with a short process-group timeout."""
+    from ds_odc.training.distributed import init_distributed
     deadline = float(os.environ.get("ODC_TEST_DEADLINE_S", "0"))
     if deadline > 15:
         faulthandler.dump_traceback_later(deadline - 10, exit=False)

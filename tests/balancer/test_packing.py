@@ -4,8 +4,8 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from ds_odc.balancer.collate import IGNORE_INDEX, PackedCollator
-from ds_odc.loss import count_loss_tokens
+from ds_odc.training.collate import IGNORE_INDEX, PackedCollator
+from ds_odc.training.loss import count_loss_tokens
 
 LENS = [5, 9, 1, 3, 7]
 

@@ -11,7 +11,7 @@ from ds_odc.balancer.cost import FittedCost, QuadraticCost, TokenCost
 from ds_odc.balancer.presets import get_preset
 from ds_odc.balancer.simulate import main, simulate
 from ds_odc.balancer.sp import SplitPlan, SplitPolicy, plan_split, split_schedule, split_step_time
-from ds_odc.workloads import MODEL_SHAPES
+from ds_odc.balancer.presets import MODEL_SHAPES
 
 QWEN_1_5B = MODEL_SHAPES["qwen2.5-1.5b"]
 

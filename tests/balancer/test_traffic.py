@@ -7,7 +7,7 @@ from ds_odc.balancer.cost import FittedCost
 from ds_odc.balancer.simulate import main, simulate
 from ds_odc.balancer.traffic import (Precision, InterNode, allreduce_bytes_per_node, internode_bytes_per_node,
                                      parameter_count, state_bytes_per_gpu)
-from ds_odc.workloads import MODEL_SHAPES
+from ds_odc.balancer.presets import MODEL_SHAPES
 
 
 @pytest.mark.parametrize("name", ["tiny", "qwen2.5-1.5b", "qwen2.5-7b"])

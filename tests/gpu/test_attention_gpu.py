@@ -10,7 +10,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from ds_odc import attention
+from ds_odc.training import attention
 
 LENGTHS = [9000, 300, 17, 1, 6500, 900, 7000, 64]
 HEADS, KV_HEADS, DIM = 12, 2, 128

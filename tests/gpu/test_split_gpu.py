@@ -1,22 +1,26 @@
-"""Split samples (lb-mini-sp) under ZeRO-3 + ODC on 2 GPUs: the CPU scenario of tests/sp/split_worker.py on CUDA
-(NCCL groups, NVSHMEM transport, fp32), against one GPU training the same minibatches.
+"""Split samples (lb-mini-sp) under ZeRO-3 + ODC on GPUs: the CPU scenario of tests/sp/split_worker.py on CUDA
+(NVSHMEM transport, fp32; the ``ds_odc_sp`` attention's all-to-all over NCCL, or over gloo when the ranks share one
+GPU), against one process training the same minibatches.
 
-Run on a 2-GPU machine: ``python -m pytest tests/gpu/test_split_gpu.py -q``. Skipped without 2 CUDA GPUs.
+    python -m pytest tests/gpu/test_split_gpu.py -q
 """
 
 from pathlib import Path
 
+import pytest
+
 from _support.launch import launch
-from _launch import NO_MULTICAST, needs_gpus  # tests/gpu is on sys.path (rootdir conftest)
+from _launch import gpu_env, rank_params  # tests/gpu is on sys.path (rootdir conftest)
 
 WORKER = Path(__file__).resolve().parents[1] / "sp" / "split_worker.py"
-GPU_ENV = {"ODC_TEST_CUDA": "1", "DS_ACCELERATOR": "cuda", **NO_MULTICAST}
 
-pytestmark = needs_gpus(2)
+pytestmark = [pytest.mark.gpu, pytest.mark.slow]
 
 
-def test_split_sample_matches_reference_on_gpu(nvshmem_op):
-    r = launch(WORKER, 2, ["train", "--model", "llama", "--checkpointing"], timeout=420, env=GPU_ENV).check().result
+@pytest.mark.parametrize("nproc", rank_params(2))
+def test_split_sample_matches_reference_on_gpu(nvshmem_op, nproc):
+    r = launch(WORKER, nproc, ["train", "--model", "llama", "--checkpointing"], timeout=420,
+               env=gpu_env(nproc)).check().result
     assert r["moved"] > 1e-2, r
     assert r["max_rel_diff"] < 1e-4, r  # GPU reductions are not bit-identical to the reference's order
     for got, want in zip(r["losses"], r["ref_losses"]):

@@ -16,7 +16,7 @@ import tempfile
 
 import ds_odc  # noqa: F401  (the `odc` key must parse before GRPOConfig / zero.Init)
 from _support.launch import emit, init_test_ranks
-from ds_odc.distributed import shutdown_and_exit
+from ds_odc.training.distributed import shutdown_and_exit
 
 HERE = os.path.dirname(__file__)
 sys.path.insert(0, HERE)

@@ -6,12 +6,12 @@ import pytest
 import torch
 from accelerate.data_loader import skip_first_batches
 
-from ds_odc.balancer.collate import PackedCollator
+from ds_odc.training.collate import PackedCollator
 from ds_odc.balancer.sampler import BalancedBatchSampler
 from ds_odc.integrations._metrics import BalanceMeter
 from ds_odc.integrations._packs import Pack, PackBatchSampler, PackCollator, PackDataset
-from ds_odc.loss import count_loss_tokens
-from ds_odc.metrics import bubble_rate, record_from_rows
+from ds_odc.training.loss import count_loss_tokens
+from ds_odc.training.metrics import bubble_rate, record_from_rows
 from ds_odc.integrations.transformers import _PackLoader
 
 LENGTHS = [5, 17, 9, 30, 4, 12, 22, 7, 15, 11, 26, 6]
@@ -68,7 +68,7 @@ def test_pack_answers_token_counting():
 
 def test_balance_meter_uses_the_step_records_definition():
     """The trainer's odc/* logs are the same numbers as examples/sft.py's metrics: one definition of busy and
-    bubble (ds_odc.metrics), time-weighted over the logging window."""
+    bubble (ds_odc.training.metrics), time-weighted over the logging window."""
     # step 1: rank 0 busy 1 s, rank 1 busy 0.5 s of a 1 s step; step 2: both busy 3 s of 3 s.
     first = record_from_rows([[0.0, 1.0, 1.0, 3, 100, 4000], [0.0, 0.5, 0.9, 1, 40, 1600]], num_samples=8)
     second = record_from_rows([[0.0, 3.0, 3.0, 2, 90, 4100], [0.0, 3.0, 3.0, 2, 95, 4500]], num_samples=8)

@@ -9,7 +9,7 @@ import torch.distributed as dist
 from ds_odc.ops.shm import ShmTransport
 from ds_odc.ops.transport import Segment
 from _support.launch import emit, init_test_ranks
-from ds_odc.distributed import shutdown_and_exit
+from ds_odc.training.distributed import shutdown_and_exit
 
 
 def scenario_stress(args, t: ShmTransport):

@@ -14,13 +14,13 @@ import time
 import torch
 
 import ds_odc  # noqa: F401  (installs the odc config key before any engine is built)
-import ds_odc.sequence_parallel  # noqa: F401  (registers attn_implementation="ds_odc_sp")
+import ds_odc.training.sequence_parallel  # noqa: F401  (registers attn_implementation="ds_odc_sp")
 from _support.launch import emit, init_test_ranks
-from ds_odc.balancer.collate import PackedCollator
+from ds_odc.training.collate import PackedCollator
 from ds_odc.balancer.sp import SplitPolicy, plan_split
-from ds_odc.distributed import shutdown_and_exit
-from ds_odc.loss import global_mean_weight, token_loss_sum, use_chunked_loss
-from ds_odc.sequence_parallel import SequenceParallel, slice_loss_sum
+from ds_odc.training.distributed import shutdown_and_exit
+from ds_odc.training.loss import global_mean_weight, token_loss_sum, use_chunked_loss
+from ds_odc.training.sequence_parallel import SequenceParallel, slice_loss_sum
 
 sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", "zero"))
 from _workload import client_optimizer, ds_config, full_params, max_rel_diff  # noqa: E402
@@ -209,17 +209,12 @@ def main():
     parser.add_argument("--checkpointing", action="store_true", help="activation checkpointing (non-reentrant)")
     parser.add_argument("--chunked-loss", action="store_true", help="the model's chunked loss (use_chunked_loss)")
     args = parser.parse_args()
-    if os.environ.get("ODC_TEST_CUDA") == "1":  # the same scenarios on GPUs (tests/gpu/test_split_gpu.py)
-        import datetime
-
-        import deepspeed
+    cuda = os.environ.get("ODC_TEST_CUDA") == "1"  # the same scenarios on GPUs (tests/gpu/test_split_gpu.py)
+    init_test_ranks(timeout_s=120 if cuda else 60 if args.scenario == "train" else args.timeout * 2)
+    if cuda:
+        from ds_odc.training.distributed import training_device
         global DEVICE
-        local_rank = int(os.environ.get("LOCAL_RANK", 0))
-        torch.cuda.set_device(local_rank)
-        DEVICE = torch.device("cuda", local_rank)
-        deepspeed.init_distributed(dist_backend="nccl", timeout=datetime.timedelta(seconds=120))
-    else:
-        init_test_ranks(timeout_s=60 if args.scenario == "train" else args.timeout * 2)
+        DEVICE = training_device()
     globals()[f"scenario_{args.scenario}"](args)
     shutdown_and_exit()
 

@@ -3,7 +3,7 @@
 import pytest
 import torch
 
-from ds_odc.sequence_parallel import ATTENTION_NAME, slice_loss_sum, slice_sample, sp_attention_forward
+from ds_odc.training.sequence_parallel import ATTENTION_NAME, slice_loss_sum, slice_sample, sp_attention_forward
 
 
 def _slices(sample, g):
@@ -62,7 +62,7 @@ def test_without_a_split_sample_the_attention_is_ds_odc_varlen():
     """``ds_odc_sp`` outside SequenceParallel.run: per-document causal attention of a packed row, as ds_odc_varlen."""
     from transformers import AttentionInterface
 
-    from ds_odc.attention import varlen_attention_forward
+    from ds_odc.training.attention import varlen_attention_forward
     assert AttentionInterface()[ATTENTION_NAME] is sp_attention_forward
     torch.manual_seed(0)
     q, k, v = torch.randn(1, 4, 6, 8), torch.randn(1, 2, 6, 8), torch.randn(1, 2, 6, 8)

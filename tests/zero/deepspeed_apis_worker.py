@@ -29,7 +29,7 @@ import torch.distributed as dist
 
 import ds_odc  # noqa: F401
 from _support.launch import emit
-from ds_odc.distributed import shutdown_and_exit
+from ds_odc.training.distributed import shutdown_and_exit
 
 sys.path.insert(0, os.path.dirname(__file__))
 from _workload import ds_config, flat, full_params, minibatch, odc_vs_stock, tiny_llama  # noqa: E402
@@ -72,9 +72,9 @@ def backward_read_zero_grad_repeated(odc) -> dict:
         engine.step()
         tag = "zero_grad" if zero_grad else "accumulate"
         # every rank's own partition differs: gather them so rank 0 compares all of them
-        local = torch.cat(reads)
+        local = torch.cat(reads).to(engine.device)
         gathered = [torch.empty_like(local) for _ in range(dist.get_world_size())]
-        dist.all_gather(gathered, local.to(engine.device))
+        dist.all_gather(gathered, local)
         out[f"grad_partitions_read_{tag}"] = torch.cat([g.cpu() for g in gathered])
         out[f"params_after_{tag}"] = flat(full_params(engine).values())
     return out

@@ -26,7 +26,7 @@ import torch.distributed as dist
 
 import ds_odc  # noqa: F401  (installs the odc config key before any engine is built)
 from _support.launch import emit, expect_error
-from ds_odc.distributed import shutdown_and_exit
+from ds_odc.training.distributed import shutdown_and_exit
 
 sys.path.insert(0, os.path.dirname(__file__))
 from _workload import ds_config, full_params, max_rel_diff, minibatch, reference_run, rel_diff, tiny_llama  # noqa: E402

@@ -12,7 +12,7 @@ import torch.distributed as dist
 from ds_odc.config import OdcConfig
 from ds_odc.ops.transport import OdcError
 from _support.launch import emit, init_test_ranks
-from ds_odc.distributed import shutdown_and_exit
+from ds_odc.training.distributed import shutdown_and_exit
 from ds_odc.zero.state import OdcState
 
 sys.path.insert(0, os.path.dirname(__file__))

@@ -8,7 +8,7 @@ A microbatch ``[s_0, s_1, ...]`` becomes one row of shape ``[1, T]``:
 * ``cu_seq_lens_q`` / ``cu_seq_lens_k`` (int32, ``[0, len(s_0), len(s_0) + len(s_1), ..., T]``) and
   ``max_length_q`` / ``max_length_k`` (a Python int): the document boundaries, under the names transformers'
   ``DataCollatorWithFlattening(return_flash_attn_kwargs=True)`` and TRL's ``padding_free=True`` use. Passed to the
-  model with the rest, they reach every attention call, so a varlen kernel (``ds_odc.attention``,
+  model with the rest, they reach every attention call, so a varlen kernel (``ds_odc.training.attention``,
   ``flash_attention_2``) needs no host work per layer to find the documents. ``return_flash_attn_kwargs=False``
   leaves them out (for a model whose forward takes no extra keyword arguments).
 

@@ -12,11 +12,11 @@ from typing import Any, Mapping
 import numpy as np
 import torch
 
-from ds_odc import attention
 from ds_odc.balancer import FittedCost, QuadraticCost
-from ds_odc.balancer.presets import PRESETS
-from ds_odc.loss import use_chunked_loss
-from ds_odc.workloads import MODEL_SHAPES, load_lengths, tokenize_text_file
+from ds_odc.balancer.presets import MODEL_SHAPES, PRESETS
+from ds_odc.recipes.workloads import load_lengths, tokenize_text_file
+from ds_odc.training import attention
+from ds_odc.training.loss import use_chunked_loss
 
 __all__ = ["sft_argument_parser", "samples_from_args", "cost_from_args", "prepare_model", "on_device",
            "plan_attention"]
@@ -55,7 +55,7 @@ def sft_argument_parser(description: str | None = None, deepspeed_config: bool =
         p.add_argument("--deepspeed", required=True, help="ds_config JSON")
     p.add_argument("--attn-implementation", default="ds_odc_varlen",
                    help="transformers attention; default ds_odc_varlen: each packed document attends to itself only, "
-                        "with no per-length planning (ds_odc.attention)")
+                        "with no per-length planning (ds_odc.training.attention)")
     p.add_argument("--attention-kernel", default="auto", choices=["auto", "varlen", "sdpa", "bucketed"],
                    help="kernel of ds_odc_varlen: torch's varlen flash attention (GPU), sdpa per document, or "
                         "bucketed (long documents through sdpa padded to a few lengths, short ones through varlen); "
@@ -74,6 +74,8 @@ def sft_argument_parser(description: str | None = None, deepspeed_config: bool =
     p.add_argument("--profile-dir", default="profile", help="where --profile-step writes its files")
     p.add_argument("--timeline", help="draw per-rank busy/wait bars of the last steps to this PNG")
     p.add_argument("--quiet", action="store_true", help="no progress bar and no summary lines")
+    p.add_argument("--shared-gpu", action="store_true",
+                   help="every rank on one GPU (torch.distributed over gloo): several ranks on a one-GPU machine, for correctness, not speed")
     p.add_argument("--local_rank", type=int, default=None)  # the deepspeed launcher passes it
     return p
 

@@ -1,6 +1,6 @@
 """Attention over padding-free rows: each document attends only to itself, at the cost of its own length.
 
-``import ds_odc.attention`` registers ``attn_implementation="ds_odc_varlen"`` with transformers. A row packs several
+``import ds_odc.training.attention`` registers ``attn_implementation="ds_odc_varlen"`` with transformers. A row packs several
 documents (``PackedCollator``, transformers' ``DataCollatorWithFlattening``, TRL's ``padding_free=True``); their
 boundaries come, in this order of preference, from
 
@@ -259,7 +259,7 @@ def varlen_attention_forward(module: torch.nn.Module, query: torch.Tensor, key: 
     if attention_mask is not None:
         raise ValueError("ds_odc_varlen takes padding-free rows (documents concatenated, position ids restarting, no "
                          "padding): this batch has padding in its attention_mask. Collate with "
-                         "ds_odc.balancer.collate.PackedCollator, transformers' DataCollatorWithFlattening or TRL's "
+                         "ds_odc.training.collate.PackedCollator, transformers' DataCollatorWithFlattening or TRL's "
                          "padding_free=True, or use attn_implementation='sdpa' for padded batches.")
     if dropout or sliding_window is not None or softcap is not None or kwargs.get("s_aux") is not None:
         raise ValueError(f"ds_odc_varlen supports neither attention dropout, sliding windows, softcapping nor sink "

@@ -8,7 +8,7 @@ the members fetch parameters and push gradients one-sidedly like any other micro
 add up at the owners. Only the members of a group meet, for that sample only, while every other rank trains its own
 microbatches.
 
-``import ds_odc.sequence_parallel`` registers ``attn_implementation="ds_odc_sp"`` with transformers: the
+``import ds_odc.training.sequence_parallel`` registers ``attn_implementation="ds_odc_sp"`` with transformers: the
 ``ds_odc_varlen`` attention (padding-free rows, one causal attention per document), run through Ulysses over the
 group of the split sample being trained, if any. Build the model with it, then::
 
@@ -47,7 +47,7 @@ from typing import Any, Iterator, Mapping, Sequence
 import torch
 import torch.nn.functional as F
 
-from ds_odc.attention import _mask_for_varlen, varlen_attention_forward
+from ds_odc.training.attention import _mask_for_varlen, varlen_attention_forward
 from ds_odc.balancer.sp import SplitPolicy
 from ds_odc.ops.transport import FenceTimeout, OdcError
 
@@ -193,7 +193,7 @@ class SequenceParallel:
     """The process groups of every group a ``lb-mini-sp`` plan may use, and the switch that trains a split sample.
 
     Construct it on every rank, with the same policy, after ``torch.distributed`` is initialised (e.g. by
-    ``ds_odc.distributed.init_distributed``). Each rank creates the groups it belongs to, one per allowed size (the
+    ``ds_odc.training.distributed.init_distributed``). Each rank creates the groups it belongs to, one per allowed size (the
     aligned block of ``g`` ranks around it), with ``timeout_s`` as their timeout; they are reused for every split
     sample. ``timeout_s``: use ``zero_optimization.odc.timeout_s`` (``odc_config_from_ds_config(ds_config)``).
     """
@@ -203,7 +203,7 @@ class SequenceParallel:
 
         from ds_odc.ops.meeting import Meeting
         if not dist.is_initialized():
-            raise RuntimeError("SequenceParallel: initialise torch.distributed first (ds_odc.distributed."
+            raise RuntimeError("SequenceParallel: initialise torch.distributed first (ds_odc.training.distributed."
                                "init_distributed())")
         self.policy = policy or SplitPolicy()
         self.rank, self.world_size = dist.get_rank(), dist.get_world_size()
@@ -268,7 +268,7 @@ class SequenceParallel:
         if active.calls == 0:
             raise ValueError(f"ds_odc: no attention layer ran over the group {list(ranks)} inside "
                              "SequenceParallel.run, so each rank attended over its own slice only. Build the model "
-                             f"with attn_implementation=\"{ATTENTION_NAME}\" (import ds_odc.sequence_parallel first) "
+                             f"with attn_implementation=\"{ATTENTION_NAME}\" (import ds_odc.training.sequence_parallel first) "
                              "and run its forward inside run()")
         self._post(ranks, count, "done")
 

@@ -3,9 +3,9 @@
 import pytest
 import torch
 
-from ds_odc.attention import ATTENTION_NAME
-from ds_odc.balancer.collate import PackedCollator
-from ds_odc.loss import chunked_causal_lm_loss, count_loss_tokens, use_chunked_loss
+from ds_odc.training.attention import ATTENTION_NAME
+from ds_odc.training.collate import PackedCollator
+from ds_odc.training.loss import chunked_causal_lm_loss, count_loss_tokens, use_chunked_loss
 
 TOL = 2e-6
 

@@ -19,7 +19,7 @@ from typing import Sequence
 
 import torch
 
-from ds_odc.metrics import device_sync
+from ds_odc.training.metrics import device_sync
 
 LAYER_RANGE = "ds_odc.layer_forward"
 

@@ -9,7 +9,7 @@ import torch
 
 from ds_odc.__main__ import main
 from ds_odc.config import OdcConfig
-from ds_odc.env_report import field_docs, odc_defaults
+from ds_odc.cli.report import field_docs, odc_defaults
 
 
 def line_of(report: str, name: str) -> str:

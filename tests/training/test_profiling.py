@@ -2,7 +2,7 @@
 
 import torch
 
-from ds_odc.profiling import describe, profile_step
+from ds_odc.training.profiling import describe, profile_step
 
 
 def test_profile_step_reports_and_writes(tmp_path):
@@ -23,7 +23,7 @@ def test_profile_step_reports_and_writes(tmp_path):
 
 
 def test_timeline_counts_overlapping_device_work_once_and_splits_it_by_layer():
-    from ds_odc.profiling import LAYER_RANGE, _timeline
+    from ds_odc.training.profiling import LAYER_RANGE, _timeline
     trace = [
         {"cat": "kernel", "ts": 0, "dur": 100}, {"cat": "gpu_memcpy", "ts": 50, "dur": 100},  # overlap: 150 busy
         {"cat": "kernel", "ts": 300, "dur": 50},

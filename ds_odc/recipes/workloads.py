@@ -12,21 +12,9 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from ds_odc.balancer.presets import get_preset
+from ds_odc.balancer.presets import MODEL_SHAPES, get_preset
 
-__all__ = ["MODEL_SHAPES", "model_config", "load_lengths", "tokenize_text_file", "sample_tokens"]
-
-MODEL_SHAPES: dict[str, dict] = {
-    # Qwen2.5 shapes (random init: nothing is downloaded).
-    "tiny": dict(hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
-                 num_key_value_heads=2, vocab_size=1000, tie_word_embeddings=False),
-    "qwen2.5-0.5b": dict(hidden_size=896, intermediate_size=4864, num_hidden_layers=24, num_attention_heads=14,
-                         num_key_value_heads=2, vocab_size=151936, tie_word_embeddings=True),
-    "qwen2.5-1.5b": dict(hidden_size=1536, intermediate_size=8960, num_hidden_layers=28, num_attention_heads=12,
-                         num_key_value_heads=2, vocab_size=151936, tie_word_embeddings=True),
-    "qwen2.5-7b": dict(hidden_size=3584, intermediate_size=18944, num_hidden_layers=28, num_attention_heads=28,
-                       num_key_value_heads=4, vocab_size=152064, tie_word_embeddings=False),
-}
+__all__ = ["model_config", "load_lengths", "tokenize_text_file", "sample_tokens"]
 
 
 def model_config(shape: str, max_position_embeddings: int = 131072):

@@ -10,8 +10,8 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from ds_odc import attention
-from ds_odc.balancer.collate import PackedCollator
+from ds_odc.training import attention
+from ds_odc.training.collate import PackedCollator
 
 LENGTHS = [7, 1, 12, 3, 1, 9]  # several documents, two of length 1
 BUCKETED_LENGTHS = [37, 1, 21, 3, 1, 9]  # 37 and 21 are padded to their buckets (40, 22); 9 is a bucket
@@ -179,7 +179,7 @@ def test_boundaries_from_position_ids_are_computed_once_per_tensor():
 def test_boundaries_moved_to_the_device_keep_their_host_lengths(monkeypatch, boundaries):
     """A batch moved by ``on_device`` (or OdcTrainer) keeps the lengths of its CPU boundaries: no layer copies them
     back from the device (a copy that would wait for all queued GPU work). Without the note, the copy happens."""
-    from ds_odc.sft_cli import on_device
+    from ds_odc.recipes.sft import on_device
     copies = []
     real_cpu = torch.Tensor.cpu
     monkeypatch.setattr(torch.Tensor, "cpu", lambda self, *a, **k: copies.append(1) or real_cpu(self, *a, **k))
