@@ -73,3 +73,13 @@ def test_deepspeed_apis_match_flat_stock():
     assert all(v > 1e-3 for v in moved.values()), moved
     for key, diff in r.items():
         assert diff < 1e-6, (key, diff)
+
+
+def test_gradient_and_parameter_apis_match_flat_stock():
+    """Gradients written between backward and step (then stepped, or added to by the next microbatch), dropped
+    there, parameters written under GatheredParameters(modifier_rank=0) and safe_set_full_fp32_param: hybrid vs
+    flat stock ZeRO-3, on every rank."""
+    r = launch(HERE / "dropin_worker.py", 4, ["apis", "--shard-size", 2], timeout=360).check().result
+    for rank, diffs in enumerate(r["ranks"]):
+        assert all(v > 1e-3 for v in diffs.pop("stock_moved").values()), diffs
+        assert all(v < 1e-5 for v in diffs.values()), (rank, diffs)  # the flat path's tolerance (test_dropin.py)
