@@ -1,4 +1,5 @@
-"""Hybrid sharding (``odc.shard_size``) on CPU ranks: several checks in one launch (test_hybrid.py; tests/gpu too).
+"""Hybrid sharding (``odc.shard_size``): several checks in one launch (tests/zero/test_hybrid.py on CPU ranks,
+tests/gpu/test_hybrid_gpu.py on CUDA ranks).
 
 Usage: hybrid_worker.py --shard-size S --checks a,b,... [--counts ...] [--dir DIR]; rank 0 prints one ODC_RESULT line
 with one entry per check:
@@ -36,14 +37,17 @@ STEPS = 3
 
 
 def odc_block(args) -> dict:
-    return {"enabled": True, "shard_size": args.shard_size}
+    block = {"enabled": True, "shard_size": args.shard_size}
+    if args.remote:
+        block["force_remote_path"] = True  # GPU: NVSHMEM get/put only, as between nodes
+    return block
 
 
 def gathered(tensor: torch.Tensor) -> list[torch.Tensor]:
-    """Every rank's copy of a same-sized tensor (collective)."""
-    out = [torch.empty_like(tensor) for _ in range(dist.get_world_size())]
-    dist.all_gather(out, tensor.contiguous())
-    return [t.cpu() for t in out]
+    """Every rank's copy of a small tensor (collective; through pickles, so on any backend and device)."""
+    out = [None] * dist.get_world_size()
+    dist.all_gather_object(out, tensor.detach().cpu())
+    return out
 
 
 def replicas_identical(engine, shard_size: int) -> bool:
@@ -169,6 +173,7 @@ def main():
     parser.add_argument("--counts", default="1,1,1,1")
     parser.add_argument("--clip", type=float, default=0.0)
     parser.add_argument("--dir", help="checkpoint folder (the checkpoint check)")
+    parser.add_argument("--remote", action="store_true", help="GPU: odc.force_remote_path (NVSHMEM get/put only)")
     parser.add_argument("--local_rank", type=int, default=None)
     args = parser.parse_args()
     count_collectives()

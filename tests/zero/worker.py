@@ -241,8 +241,8 @@ def scenario_fence_timeout(args):
     if args.shard_size:
         odc["shard_size"] = args.shard_size
     engine = build(tiny_llama(), ds_config(odc, managed=False))
-    if rank == 0:
-        emit({"tag": engine.optimizer.odc.transport.tag})
+    if rank == 0:  # the shm transport's file prefix (the GPU transport has none)
+        emit({"tag": getattr(engine.optimizer.odc.transport, "tag", None)})
 
     def stall(step):
         if rank == args.victim and step == 1:
