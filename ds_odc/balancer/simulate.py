@@ -31,10 +31,11 @@ G times the bytes, under ODC); ``node`` (one shard group per node of ``--ranks-p
 microbatch, one all-reduce of the gradient shards per step (MiCS-style under collectives, hybrid ODC under ODC).
 That time counts as busy, so the bubble stays the time ranks wait for each other.
 
-Otherwise the model ignores communication and the optimizer step; it isolates the imbalance a planner leaves. The *balance
-bound* per step is max(fair share, costliest sample alone in a microbatch), the fair share being the minibatch's
-least possible work (its samples plus the fewest microbatches the budget allows) over R: no planner can finish a
-step sooner, so when one sample costs more than the fair share the bound, not the planner, limits the gain.
+Otherwise the model ignores communication and the optimizer step; it isolates the imbalance a planner leaves. The
+*balance bound* per step is max(fair share, costliest sample alone in a microbatch), the fair share being the
+minibatch's least possible work (its samples plus the fewest microbatches the budget allows) over R: no planner can
+finish a step sooner, so when one sample costs more than the fair share the bound, not the planner, limits the
+gain (the bound counts compute only).
 """
 
 from __future__ import annotations

@@ -108,8 +108,8 @@ def install_optimizer_hook(optimizer_cls, prepare) -> None:
 
 def install_zero_init_group(shard_group_for) -> None:
     """Why: ``zero.Init`` partitions over the world unless given ``data_parallel_group``, and DeepSpeed partitions a
-    model built without it through the same ``Init`` with no group (``DeepSpeedZeRoOffload._convert_to_zero_parameters``);
-    so that ``odc.shard_size`` decides the group wherever DeepSpeed partitions (as MiCS's key did before 0.19.8
+    model built without it through the same ``Init`` with no group
+    (``DeepSpeedZeRoOffload._convert_to_zero_parameters``); so that ``odc.shard_size`` decides the group wherever DeepSpeed partitions (as MiCS's key did before 0.19.8
     removed it), ``Init`` takes its default group from the config it is given. ``shard_group_for(config, mpu)``
     returns the group, or None to keep stock's."""
     from deepspeed.runtime.zero.partition_parameters import Init

@@ -325,7 +325,8 @@ class OdcState:
         """The first push after gradients were completed early (``settle``) or dropped (``discard``): empty the
         accumulator if they were dropped, then meet, so that no peer's push of the next microbatch lands before every
         rank is done with the gradients so far (read, written, or emptied). With hybrid sharding what the accumulator
-        holds now (summed over the replicas, perhaps written since) is kept aside: the step sums only what comes after."""
+        holds now (summed over the replicas, perhaps written since) is kept aside: the step sums only what comes
+        after."""
         if self.overwrite:
             self.transport.zero_([self.accumulator])
         if self.replicas is not None:

@@ -21,7 +21,7 @@ def check_uneven(r, world, shard):
     groups = [list(range(g * shard, (g + 1) * shard)) for g in range(world // shard)]
     assert r["partition_groups"] == [groups[0]], r  # rank 0 reports its own group: DeepSpeed partitions over it
     assert r["moved"] > 1e-3, r  # the steps changed the model, so agreeing with the reference means something
-    assert r["max_rel_diff"] < 1e-6, r  # measured 1.4e-7 (4 ranks) and 1.3e-7 (6 ranks)
+    assert r["max_rel_diff"] < 1e-6, r  # measured 7e-8 (4 ranks, 2x2) and 1.3e-7 (6 ranks, 3x2)
     assert r["replicas_identical"], r
     assert r["replica_sums"] == 3, r  # one all-reduce per step
     assert r["forward_backward_collectives"] == 0, r  # reads and pushes are one-sided
@@ -33,7 +33,7 @@ def test_four_ranks_two_groups_of_two(tmp_path):
             "--dir", tmp_path)
     check_uneven(r["uneven"], 4, 2)
     equal = r["equal"]
-    assert equal["max_rel_diff"] < 1e-6, equal  # measured 1e-7
+    assert equal["max_rel_diff"] < 1e-6, equal  # measured 8e-8
     assert equal["hybrid_vs_ref"] < 1e-5 and equal["stock_vs_ref"] < 1e-5, equal
     ckpt = r["checkpoint"]
     assert ckpt["max_rel_diff"] == 0.0 and ckpt["loaded_vs_saved"] == 0.0, ckpt
