@@ -316,7 +316,7 @@ class Stage3Seams:
         self.odc.connect(device, self.dp_process_group)
         params = list(itertools.chain.from_iterable(self.fp16_groups))
         self.lp_param_buffer = self.odc.place_trainable(params, self.lp_param_buffer)
-        self.odc.sync_replicas()  # before stage 3 copies the fp32 master weights from these shards
+        self.odc.sync_replicas([self.odc.trainable])  # before stage 3 copies the fp32 master weights from them
         for param in params:
             bind_param_methods(param, self.odc)
         super()._set_fp16_partitioned_groups_flat()

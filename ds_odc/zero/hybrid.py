@@ -164,6 +164,9 @@ def shard_group_for(config, mpu=None):
     """``zero.Init``'s default group for a ds_config (a dict or anything ``DeepSpeedConfig`` reads): the shard group
     when ``odc.shard_size`` asks for hybrid sharding, else None (stock: the world)."""
     if isinstance(config, dict):
+        zero = config.get("zero_optimization")
+        if not isinstance(zero, dict) or not isinstance(zero.get("odc"), dict) or "shard_size" not in zero["odc"]:
+            return None  # no shard_size: stock's group, without parsing the config twice
         from ds_odc.config import odc_config_from_ds_config
         odc = odc_config_from_ds_config(config)
     else:

@@ -45,8 +45,7 @@ class OdcOptimizer(privates.Stage3Seams, DeepSpeedZeroOptimizer_Stage3):
         self.odc.place_frozen(frozen)
         for param in frozen:
             privates.bind_param_methods(param, self.odc)
-        if frozen:
-            self.odc.sync_replicas()
+        self.odc.sync_replicas(self.odc.frozen)
         views = self.odc.place_accumulator(self._trainable(), self.grad_partitions_flat_buffer.numel())
         self.grad_partitions_flat_buffer = self.odc.accumulator.local
         privates.grad_partition_map(self).update(views)

@@ -131,10 +131,12 @@ class OdcState:
         replicas = 1 if self.groups is None else self.groups.layout.replicas
         return self.transport.world_size * replicas
 
-    def sync_replicas(self) -> None:
-        """Give every shard group the first group's shards (a no-op without hybrid sharding)."""
+    def sync_replicas(self, buffers: Sequence[SymmetricBuffer] | None = None) -> None:
+        """Give every shard group the first group's shards (of ``buffers``, default all; a no-op without hybrid
+        sharding)."""
         if self.replicas is not None:
-            self.replicas.broadcast_([b.local for b in [self.trainable, *self.frozen] if b is not None])
+            buffers = [self.trainable, *self.frozen] if buffers is None else buffers
+            self.replicas.broadcast_([b.local for b in buffers if b is not None])
 
     def place_trainable(self, params: Iterable[torch.nn.Parameter], flat: torch.Tensor) -> torch.Tensor:
         """Move DeepSpeed's flat buffer of trainable shards (``lp_param_buffer``) into symmetric memory, at the same

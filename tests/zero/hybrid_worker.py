@@ -12,7 +12,8 @@ with one entry per check:
 * ``checkpoint``: save, continue, and a fresh engine loading the save continues identically; only the first shard
   group writes files, and DeepSpeed's zero_to_fp32 consolidates them into the saved parameters;
 * ``zero_init``: a model built under ``deepspeed.zero.Init(config_dict_or_path=ds_config)`` is partitioned over its
-  shard group (the config decides) and trains as the reference; one built under a bare ``zero.Init`` (the world) is
+  shard group (the config decides), starts from the same values everywhere although every rank drew its own (the
+  first rank's win, as under stock), and trains as the reference; one built under a bare ``zero.Init`` (the world) is
   refused at ``deepspeed.initialize``, naming the fix.
 """
 
@@ -146,11 +147,13 @@ def check_zero_init(args) -> dict:
     rank, world = rank_world()
     counts = [int(c) for c in args.counts.split(",")]
     config = ds_config(odc_block(args), clip=args.clip, managed=False, optimizer="sgd")
+    from transformers import LlamaForCausalLM  # noqa: F401  (imported under zero.Init's patched torch it fails)
     with deepspeed.zero.Init(config_dict_or_path=config):
-        model = tiny_llama()
+        model = tiny_llama(seed=rank)  # each rank draws its own: the first rank's must win, as under stock
     partition_sizes = sorted({dist.get_world_size(p.ds_process_group) for p in model.parameters()})
     engine = build(model, config)
     initial = full_params(engine)
+    copies = gathered(torch.cat([t.reshape(-1) for t in initial.values()]))
     plain = tiny_llama()
     plain.load_state_dict(initial)
     ref_model, _ = reference_run(plain, 2, sum(counts), clip=args.clip)
@@ -158,9 +161,10 @@ def check_zero_init(args) -> dict:
     with deepspeed.zero.Init():  # no config: stock's world group
         world_model = tiny_llama()
     refused = expect_error(lambda: build(world_model, config))
-    return {"partition_sizes": partition_sizes, "max_rel_diff": max_rel_diff(full_params(engine),
-                                                                             full_params(ref_model)),
-            "refused": refused}
+    return {"partition_sizes": partition_sizes, "initial_same_everywhere": all(torch.equal(c, copies[0])
+                                                                               for c in copies),
+            "replicas_identical": replicas_identical(engine, args.shard_size),
+            "max_rel_diff": max_rel_diff(full_params(engine), full_params(ref_model)), "refused": refused}
 
 
 CHECKS = {"uneven": check_uneven, "equal": check_equal, "checkpoint": check_checkpoint, "zero_init": check_zero_init}

@@ -42,6 +42,7 @@ def test_four_ranks_two_groups_of_two(tmp_path):
                              for kind in ("model", "optim")], ckpt  # one copy: the replicas write nothing
     init = r["zero_init"]
     assert init["partition_sizes"] == [2], init  # zero.Init(config_dict_or_path=...) picked the shard group
+    assert init["initial_same_everywhere"] and init["replicas_identical"], init
     assert init["max_rel_diff"] < 1e-6, init
     assert "ValueError: ds_odc: zero_optimization.odc.shard_size=2" in init["refused"], init
     assert "partitioned by deepspeed.zero.Init over 4 ranks" in init["refused"], init
