@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import argparse
 import os
+import shutil
 import sys
 import tempfile
 
@@ -109,6 +110,9 @@ def save_16bit_model(odc) -> dict:
     engine.save_16bit_model(folder[0], "model.bin")
     dist.barrier()
     saved = torch.load(os.path.join(folder[0], "model.bin"), map_location="cpu", weights_only=True)
+    dist.barrier()  # every rank has read it: no test leaves files behind
+    if dist.get_rank() == 0:
+        shutil.rmtree(folder[0], ignore_errors=True)
     return {"saved_16bit_state_dict": flat(saved[k] for k in sorted(saved)),
             "params_after_16bit_save": flat(full_params(engine).values())}
 
