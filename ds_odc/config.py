@@ -5,16 +5,23 @@ Users write either ``"odc": true`` or a sub-dict::
     "zero_optimization": {"stage": 3, "odc": {"enabled": true, "transport": "auto", "timeout_s": 300}}
 
 The model follows DeepSpeed's own config models (pydantic, ``extra="forbid"``), so a misspelt key inside ``odc`` is
-an error at ``deepspeed.initialize`` (and at ``deepspeed.zero.Init``), like any other ZeRO key.
+an error at ``deepspeed.initialize`` (and at ``deepspeed.zero.Init``), like any other ZeRO key. Errors in the
+``zero_optimization`` block name the key as the ds_config spells it (``zero_optimization.odc.enabld``), and an
+unknown key comes with the closest valid one.
 """
 
 from __future__ import annotations
 
+import difflib
+import typing
 from typing import Any, Literal, Optional, Union
 
 from deepspeed.runtime.config_utils import DeepSpeedConfigModel
 from deepspeed.runtime.zero.config import DeepSpeedZeroConfig
-from pydantic import Field, PositiveInt, field_validator, model_validator
+from pydantic import BaseModel, Field, PositiveInt, ValidationError, field_validator, model_validator
+from pydantic_core import PydanticCustomError
+
+__all__ = ["OdcConfig", "OdcZeroConfig", "odc_config_from_ds_config"]
 
 
 class OdcConfig(DeepSpeedConfigModel):
@@ -66,6 +73,12 @@ class OdcZeroConfig(DeepSpeedZeroConfig):
 
     odc: OdcConfig = Field(default_factory=lambda: OdcConfig(enabled=False))
 
+    def __init__(self, strict=False, **data):
+        try:
+            super().__init__(strict=strict, **data)
+        except ValidationError as err:
+            raise _as_the_user_wrote_it(err, type(self)) from None
+
     @model_validator(mode="after")
     def _odc_defaults(self):
         # DeepSpeed's memory_efficient_linear swaps F.linear for a Python autograd function (host time on every linear
@@ -82,6 +95,41 @@ class OdcZeroConfig(DeepSpeedZeroConfig):
         if value is None:
             return {"enabled": False}
         return value
+
+
+def _model_at(model: type[BaseModel], path: tuple) -> type[BaseModel] | None:
+    """The config model that validates the dict at ``path`` (keys as written, aliases included) inside ``model``."""
+    for key in path:
+        field = next((f for name, f in model.model_fields.items() if key in (name, f.alias)), None)
+        if field is None:
+            return None
+        found = [t for t in (field.annotation, *typing.get_args(field.annotation))
+                 if isinstance(t, type) and issubclass(t, BaseModel)]
+        if not found:
+            return None
+        model = found[0]
+    return model
+
+
+def _unknown_key(model: type[BaseModel] | None, key: str) -> PydanticCustomError:
+    valid = sorted({k for name, f in model.model_fields.items() for k in (name, f.alias) if k}) if model else []
+    closest = difflib.get_close_matches(key, valid, n=1)
+    message = f"unknown key {key!r}" + (f": did you mean {closest[0]!r}?" if closest else "")
+    if 0 < len(valid) <= 12:
+        message += f" (valid keys here: {', '.join(valid)})"
+    return PydanticCustomError("unknown_key", message)
+
+
+def _as_the_user_wrote_it(err: ValidationError, model: type[BaseModel]) -> ValidationError:
+    """``err`` with every location written from the top of the ds_config (``zero_optimization.odc.enabld``, not
+    pydantic's title naming this internal class) and unknown keys given their closest valid spelling."""
+    details = []
+    for e in err.errors():
+        loc = tuple(e["loc"])
+        kind = _unknown_key(_model_at(model, loc[:-1]), str(loc[-1])) if e["type"] == "extra_forbidden" else e["type"]
+        details.append({"type": kind, "loc": ("zero_optimization", *loc), "input": e["input"],
+                        **({"ctx": e["ctx"]} if "ctx" in e else {})})
+    return ValidationError.from_exception_data("ds_config", details)
 
 
 def odc_config_from_ds_config(ds_config: dict) -> OdcConfig:

@@ -33,6 +33,8 @@ from ds_odc.ops.nvshmem_runtime import ensure_runtime
 from ds_odc.ops.transport import (GatherPlan, OdcError, ScatterPlan, Segment, SymmetricBuffer, Transport,
                                   out_layout)
 
+__all__ = ["NvshmemTransport"]
+
 _SRC_DTYPES = {torch.float32: 0, torch.bfloat16: 1, torch.float16: 2}
 _P2P_MODES = {"atomic-scalar": 0, "atomic": 1, "staging": 2}  # odc_scatter_add_p2p's modes
 _RMA_CTAS = 264  # device-initiated transfers need many CTAs in flight (2 per SM on H100/H200)

@@ -28,8 +28,11 @@ import torch.distributed as dist
 from ds_odc.ops.meeting import Meeting
 from ds_odc.ops.transport import GatherPlan, OdcError, ScatterPlan, Segment, SymmetricBuffer, Transport, out_layout
 
+__all__ = ["ShmTransport", "shm_dir"]
 
-def _shm_dir() -> str:
+
+def shm_dir() -> str:
+    """Where the buffers' files live: /dev/shm (memory) when writable, else the temporary folder."""
     return "/dev/shm" if os.path.isdir("/dev/shm") and os.access("/dev/shm", os.W_OK) else tempfile.gettempdir()
 
 
@@ -80,7 +83,7 @@ class ShmTransport(Transport):
         tag = [f"ds_odc-{os.getpid()}-{uuid.uuid4().hex[:12]}"] if self.rank == 0 else [None]
         dist.broadcast_object_list(tag, src=dist.get_global_rank(group, 0) if group is not None else 0, group=group)
         self.tag = tag[0]
-        self.dir = _shm_dir()
+        self.dir = shm_dir()
         self._count = 0
         self._pending_unlink: set[str] = set()
         atexit.register(self._unlink_pending)

@@ -110,7 +110,7 @@ def init_distributed(timeout_s: float | None = None, *, shared_gpu: bool | None 
         # two jobs on one host would collide; a port the launcher chose wins. Other launchers: unused.
         kwargs["distributed_port"] = int(os.environ["MASTER_PORT"])
     if on_cpu:
-        from ds_odc.zero._deepspeed_privates import skip_cpu_shm_op_build
+        from ds_odc.zero import skip_cpu_shm_op_build
         skip_cpu_shm_op_build()
         deepspeed.init_distributed(dist_backend="gloo", **kwargs)
     elif sharing:
@@ -139,26 +139,16 @@ def shutdown_and_exit(exit_code: int = 0) -> None:
     which would make a finished job look failed. Output is flushed and the group is gone by then. Under ``mpirun``
     MPI is finalized first: that is what removes MPICH's ``/dev/shm/mpich_shm_*`` segment, and the hard exit skips
     the ``atexit`` hook in which mpi4py would otherwise do it; likewise the CUDA driver's ``/dev/shm/cuda.shm.*`` file
-    of this process is removed.
+    of a process that used the NVSHMEM transport is removed.
     """
     shutdown()
     _finalize_mpi()
-    _remove_cuda_shm_files()
+    if "ds_odc.ops.nvshmem_runtime" in sys.modules:  # the hard exit skips the atexit hook that removes its file
+        sys.modules["ds_odc.ops.nvshmem_runtime"].remove_cuda_shm_files()
     faulthandler.cancel_dump_traceback_later()
     sys.stdout.flush()
     sys.stderr.flush()
     os._exit(exit_code)
-
-
-def _remove_cuda_shm_files() -> None:
-    """The CUDA driver names a shared-memory file after each process that shares GPU memory with another
-    (``/dev/shm/cuda.shm.<device>.<pid in hex>.<n>``) and removes it in its exit handlers, which the hard exit skips."""
-    import glob
-    for path in glob.glob(f"/dev/shm/cuda.shm.*.{os.getpid():x}.*"):
-        try:
-            os.unlink(path)
-        except OSError:
-            pass
 
 
 def _finalize_mpi() -> None:

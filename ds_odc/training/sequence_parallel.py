@@ -47,7 +47,9 @@ from typing import Any, Iterator, Mapping, Sequence
 import torch
 import torch.nn.functional as F
 
-from ds_odc.training.attention import _mask_for_varlen, varlen_attention_forward
+from ds_odc.training.attention import register as register_attention
+from ds_odc.training.attention import varlen_attention_forward
+from ds_odc.training.loss import IGNORE_INDEX
 from ds_odc.balancer.sp import SplitPolicy
 from ds_odc.ops.transport import FenceTimeout, OdcError
 
@@ -55,7 +57,6 @@ __all__ = ["ATTENTION_NAME", "SequenceParallel", "SplitSlice", "SplitSampleError
            "register"]
 
 ATTENTION_NAME = "ds_odc_sp"
-IGNORE_INDEX = -100
 _STORE_REPLY_S = 5.0
 
 
@@ -182,11 +183,7 @@ def sp_attention_forward(module: torch.nn.Module, query: torch.Tensor, key: torc
 
 def register() -> str:
     """Register ``ds_odc_sp`` with transformers' attention and mask interfaces (idempotent); returns the name."""
-    from transformers import AttentionInterface
-    from transformers.masking_utils import AttentionMaskInterface
-    AttentionInterface.register(ATTENTION_NAME, sp_attention_forward)
-    AttentionMaskInterface.register(ATTENTION_NAME, _mask_for_varlen)
-    return ATTENTION_NAME
+    return register_attention(ATTENTION_NAME, sp_attention_forward)
 
 
 class SequenceParallel:

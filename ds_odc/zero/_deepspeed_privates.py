@@ -17,6 +17,10 @@ import deepspeed
 import torch
 from packaging.version import Version
 
+__all__ = ["SUPPORTED", "check_deepspeed", "skip_cpu_shm_op_build", "install_config_model", "install_optimizer_hook",
+           "accumulation_of", "use_coordinator_class", "grad_partition_map", "bind_param_methods",
+           "zero3_hooks_detached", "no_rank_consistency_asserts", "CoordinatorSeams", "Stage3Seams"]
+
 SUPPORTED = ">=0.19.8,<0.20"
 _MIN, _MAX = Version("0.19.8"), Version("0.20")
 
@@ -300,13 +304,13 @@ class _SettlingDict(dict):
 
 
 class Stage3Seams:
-    """The ``DeepSpeedZeroOptimizer_Stage3`` members ODC overrides (``self.odc``: the OdcState)."""
+    """The ``DeepSpeedZeroOptimizer_Stage3`` members ODC overrides (``self.odc``: the OdcState;
+    ``self.coordinator_class``: the coordinator subclass, given by the optimizer so that this module imports neither)."""
 
     def initialize_ds_offload(self, *args, **kwargs):
         # Why: the coordinator this builds performs every fetch; ODC re-classes it (see use_coordinator_class).
-        from ds_odc.zero.coordinator import OdcParamCoordinator
         offload = super().initialize_ds_offload(*args, **kwargs)
-        use_coordinator_class(offload, OdcParamCoordinator, self.odc)
+        use_coordinator_class(offload, self.coordinator_class, self.odc)
         return offload
 
     def _set_fp16_partitioned_groups_flat(self):

@@ -184,15 +184,18 @@ class Replicas:
     * :meth:`sum_`: the one all-reduce per step, over the ranks holding this shard;
     * :meth:`broadcast_`: the first shard group's copy to the others, wherever shards are written outside the step.
 
-    Gradients read before the step (``safe_get_full_grad`` and the like) are summed early; :meth:`keep_summed`
-    remembers that sum, so that pushes made after it and summed at the step add only what is new."""
+    Gradients read before the step (``safe_get_full_grad`` and the like) are summed early, and the accumulator then
+    holds the whole job's sum, which the caller may also overwrite. A later sum must add only what was pushed after
+    that: :meth:`resume` (at the first push after the early sum) keeps the accumulator aside, and a sum with nothing
+    pushed since leaves it as it is."""
 
     def __init__(self, groups: HybridGroups, timeout_s: float):
         from ds_odc.ops.meeting import Meeting
         self.groups = groups
         self.everyone = Meeting(None, timeout_s, control=groups.job_control)
         self.source = groups.layout.shard_rank  # rank 0 of the replica group: the first shard group's copy
-        self.summed: torch.Tensor | None = None
+        self.summed: torch.Tensor | None = None  # what the accumulator held when pushes resumed after an early sum
+        self.complete = False  # summed over the replicas, and nothing pushed since
         self.sum_s = 0.0  # seconds the last sum took
 
     def meet(self, what: str) -> None:
@@ -201,21 +204,33 @@ class Replicas:
     def sum_(self, accumulator: torch.Tensor) -> None:
         """``accumulator`` (this shard group's sum) becomes the sum over every shard group, on every replica."""
         started = time.perf_counter()
+        if self.complete:
+            self._keep(accumulator)  # the whole job's already: add nothing to it (every replica joins all the same)
         if self.summed is not None:
-            accumulator.sub_(self.summed)  # the part summed early is on every replica already
+            accumulator.sub_(self.summed)  # what every replica holds already
         dist.all_reduce(accumulator, group=self.groups.replica)
         if self.summed is not None:
             accumulator.add_(self.summed)
+        self.complete = True
         self.sum_s = time.perf_counter() - started
 
-    def keep_summed(self, accumulator: torch.Tensor) -> None:
+    def resume(self, accumulator: torch.Tensor, dropped: bool) -> None:
+        """Pushes start again after an early sum: keep the accumulator aside (or nothing, if it is being emptied)."""
+        if dropped:
+            self.summed = None
+        else:
+            self._keep(accumulator)
+        self.complete = False
+
+    def reset(self) -> None:
+        """The step is over: the next sum starts from nothing."""
+        self.summed, self.complete = None, False
+
+    def _keep(self, accumulator: torch.Tensor) -> None:
         if self.summed is None:
             self.summed = accumulator.clone()
         else:
             self.summed.copy_(accumulator)
-
-    def forget_summed(self) -> None:
-        self.summed = None
 
     def broadcast_(self, tensors) -> None:
         for tensor in tensors:

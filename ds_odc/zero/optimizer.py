@@ -26,12 +26,17 @@ from deepspeed.utils import logger
 
 from ds_odc.config import odc_config_from_ds_config
 from ds_odc.zero import _deepspeed_privates as privates
+from ds_odc.zero.coordinator import OdcParamCoordinator
 from ds_odc.zero.hybrid import groups_for
-from ds_odc.zero.state import OdcState
+from ds_odc.zero.state import OdcState, Phase, profiled
+
+__all__ = ["OdcOptimizer"]
 
 
 class OdcOptimizer(privates.Stage3Seams, DeepSpeedZeroOptimizer_Stage3):
     """``DeepSpeedZeroOptimizer_Stage3`` whose gathers and reduce-scatters are one-sided transport operations."""
+
+    coordinator_class = OdcParamCoordinator  # what the parameter coordinator DeepSpeed builds becomes
 
     def __init__(self, *args, **kwargs):
         config = odc_config_from_ds_config(kwargs["ds_config"])
@@ -63,17 +68,18 @@ class OdcOptimizer(privates.Stage3Seams, DeepSpeedZeroOptimizer_Stage3):
         return self.odc.wait_s
 
     def step(self, closure=None):
-        self.odc.start_step()
-        self.odc.fence()
-        # A rank that ran no backward this minibatch never set its gradient views; the pushes of others still count.
-        views = privates.grad_partition_map(self)
-        for i, group in enumerate(self.fp16_groups):
-            self.averaged_gradients[i] = [
-                views[p.ds_id] if p.requires_grad else torch.zeros_like(p.ds_tensor, dtype=torch.float32)
-                for p in group]
-        super().step(closure)
-        if not self.odc.published:  # stock skipped the update (inf/nan gradients) and never reached _post_step
-            self.odc.publish()
+        with profiled("ds_odc::step"):
+            self.odc.start_step()
+            self.odc.fence()
+            # A rank that ran no backward this minibatch never set its gradient views; others' pushes still count.
+            views = privates.grad_partition_map(self)
+            for i, group in enumerate(self.fp16_groups):
+                self.averaged_gradients[i] = [
+                    views[p.ds_id] if p.requires_grad else torch.zeros_like(p.ds_tensor, dtype=torch.float32)
+                    for p in group]
+            super().step(closure)
+            if self.odc.phase is Phase.STEPPING:  # stock skipped the update (inf/nan gradients), so no _post_step
+                self.odc.publish()
 
     def zero_grad(self, set_to_none=True):
         # Before the step this drops the minibatch's gradients so far, as stock does: on every rank, together.

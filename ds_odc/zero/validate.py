@@ -10,6 +10,8 @@ from __future__ import annotations
 from deepspeed.runtime.zero.offload_config import OffloadDeviceEnum
 from deepspeed.utils import logger
 
+__all__ = ["validate_engine"]
+
 
 def _reject(option: str, why: str) -> ValueError:
     return ValueError(f"ds_odc: {option} is not supported with zero_optimization.odc ({why}). "

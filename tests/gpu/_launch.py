@@ -35,6 +35,32 @@ def needs_gpus(n: int):
     return pytest.mark.skipif(gpu_count() < n, reason=f"needs {n} CUDA GPUs (found {gpu_count()})")
 
 
+# NVSHMEM bring-up of two jobs starting at the same moment on one GPU sometimes fails in NVSHMEM's init (seen with
+# pytest -n: "mapping of buffer object failed", "cuMemCreate failed"); such a launch is repeated once, with a warning.
+BRINGUP_COLLISION = ("mapping of buffer object failed", "cuMemCreate failed")
+
+
+def bringup_collided(log: str) -> bool:
+    return any(sign in log for sign in BRINGUP_COLLISION)
+
+
+def retried(run, log_of, what: str):
+    """Run ``run()``; if its log shows an NVSHMEM bring-up collision, warn and run it once more."""
+    first = run()
+    if not bringup_collided(log_of(first)):
+        return first
+    import warnings
+    warnings.warn(f"NVSHMEM bring-up of {what} collided with a concurrent job; launched again")
+    return run()
+
+
+def launch_gpu(script, nproc: int, args=(), timeout: float = 420, env: dict | None = None):
+    """``_support.launch.launch`` for GPU ranks (:func:`gpu_env`), repeated once after a bring-up collision."""
+    from _support.launch import launch
+    return retried(lambda: launch(script, nproc, list(args), timeout=timeout, env={**gpu_env(nproc), **(env or {})}),
+                   lambda r: r.stdout + r.stderr, f"{Path(script).name} at {nproc} ranks")
+
+
 def placement(nproc: int) -> str:
     """How ``nproc`` ranks run on this machine: "<n>gpus" (one GPU each), "shared" (all on GPU 0), or "none"."""
     if gpu_count() == 0:
@@ -83,8 +109,11 @@ def run_ranks(script: Path, args: list[str], nproc: int = 2, timeout_s: float = 
     """``launcher``: "torchrun", or "mpirun" (ranks get RANK/WORLD_SIZE from MPI's own variables). The ranks share a
     GPU when there are fewer GPUs than ranks (:func:`gpu_env`)."""
     env = {**gpu_env(nproc), **(env or {})}
-    with tempfile.TemporaryDirectory(prefix="ds_odc_gpu_") as out:
-        return _run_ranks(script, args, nproc, timeout_s, env, launcher, out)
+
+    def run():
+        with tempfile.TemporaryDirectory(prefix="ds_odc_gpu_") as out:
+            return _run_ranks(script, args, nproc, timeout_s, env, launcher, out)
+    return retried(run, lambda r: r.log, f"{Path(script).name} at {nproc} ranks")
 
 
 def _run_ranks(script, args, nproc, timeout_s, env, launcher, out) -> RankRun:
@@ -134,6 +163,11 @@ def run_plain_ranks(script: Path, args: list[str], nproc: int, deadline_s: float
                     wait_for: set[int] | None = None) -> PlainRun:
     """Start ``nproc`` ranks as independent processes (RANK, WORLD_SIZE, LOCAL_RANK, MASTER_ADDR/PORT set), wait up
     to ``deadline_s`` for the ranks in ``wait_for`` (default all), then SIGKILL whatever still runs."""
+    return retried(lambda: _run_plain_ranks(script, args, nproc, deadline_s, env, wait_for), lambda r: r.log,
+                   f"{Path(script).name} at {nproc} ranks")
+
+
+def _run_plain_ranks(script, args, nproc, deadline_s, env, wait_for) -> PlainRun:
     from _support.launch import RESULT_PREFIX, cpu_env  # tests/ is on sys.path too
     base = cpu_env({**gpu_env(nproc), **(env or {})})
     base.update({"WORLD_SIZE": str(nproc), "MASTER_PORT": str(_free_port()), "ODC_TEST_DEADLINE_S": str(deadline_s)})

@@ -10,8 +10,7 @@ from pathlib import Path
 
 import pytest
 
-from _support.launch import launch
-from _launch import gpu_env, rank_params  # tests/gpu is on sys.path (rootdir conftest)
+from _launch import gpu_env, launch_gpu, rank_params  # tests/gpu is on sys.path (rootdir conftest)
 
 WORKER = Path(__file__).resolve().parents[1] / "zero" / "deepspeed_apis_worker.py"
 
@@ -19,8 +18,8 @@ pytestmark = [pytest.mark.gpu, pytest.mark.slow]
 
 
 @pytest.mark.parametrize("nproc", rank_params(1, 2, 3))
-def test_deepspeed_zero3_apis_match_stock_on_gpu(nvshmem_op, nproc):
-    result = launch(WORKER, nproc, [], timeout=420, env=gpu_env(nproc)).check().result
+def test_deepspeed_zero3_apis_match_stock_on_gpu(nvshmem_op, nproc, tmp_path):
+    result = launch_gpu(WORKER, nproc, ["--dir", tmp_path], timeout=420).check().result
     moved = result.pop("stock_moved")
     assert moved and all(v > 1e-3 for v in moved.values()), moved
     worst = {k: v for k, v in result.items() if not v < 1e-4}  # GPU reductions are not bit-identical to stock's

@@ -10,8 +10,7 @@ from pathlib import Path
 
 import pytest
 
-from _support.launch import launch
-from _launch import gpu_env, rank_params  # tests/gpu is on sys.path (rootdir conftest)
+from _launch import gpu_env, launch_gpu, rank_params  # tests/gpu is on sys.path (rootdir conftest)
 
 WORKER = Path(__file__).resolve().parents[1] / "zero" / "dropin_worker.py"
 
@@ -23,7 +22,7 @@ TOLERANCE = 1e-4
 
 @pytest.mark.parametrize("nproc", rank_params(2, 3))
 def test_gradient_and_parameter_apis_match_stock_on_gpu(nvshmem_op, nproc):
-    result = launch(WORKER, nproc, ["apis"], timeout=420, env=gpu_env(nproc)).check().result
+    result = launch_gpu(WORKER, nproc, ["apis"], timeout=420).check().result
     for rank, diffs in enumerate(result["ranks"]):
         assert all(v > 1e-3 for v in diffs.pop("stock_moved").values()), diffs
         worst = {k: v for k, v in diffs.items() if not v < TOLERANCE}
@@ -32,7 +31,7 @@ def test_gradient_and_parameter_apis_match_stock_on_gpu(nvshmem_op, nproc):
 
 @pytest.mark.parametrize("nproc", rank_params(2))
 def test_early_reads_that_cannot_be_answered_are_refused_on_gpu(nvshmem_op, nproc):
-    r = launch(WORKER, nproc, ["refusals"], timeout=300, env=gpu_env(nproc)).check().result
+    r = launch_gpu(WORKER, nproc, ["refusals"], timeout=300).check().result
     assert r["explicit_mid_minibatch"].startswith("OdcError"), r
     assert r["explicit_at_boundary"] == "no error", r
     assert r["unmanaged"].startswith("OdcError"), r

@@ -20,8 +20,8 @@ import sys
 
 import pytest
 
-from _support.launch import cpu_env, launch
-from _launch import REPO, gpu_env, placement, rank_params  # tests/gpu is on sys.path (rootdir conftest)
+from _support.launch import cpu_env
+from _launch import REPO, gpu_env, launch_gpu, placement, rank_params, retried  # tests/gpu is on sys.path (rootdir conftest)
 
 pytestmark = [pytest.mark.gpu, pytest.mark.slow]
 
@@ -50,7 +50,8 @@ def _sft(nproc: int, tmp_path) -> tuple[list[float], dict]:
     if placement(nproc) == "shared":
         cmd.append("--shared-gpu")
     env = cpu_env({k: v for k, v in gpu_env(nproc).items() if k != "DS_ODC_SHARED_GPU"})
-    proc = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=540, cwd=REPO)
+    proc = retried(lambda: subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=540, cwd=REPO),
+                   lambda p: p.stdout + p.stderr, f"examples/sft.py at {nproc} ranks")
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-5000:]
     run = json.loads(out.read_text())
     assert run["config"]["world_size"] == nproc
@@ -73,8 +74,7 @@ def test_sft_example_matches_one_rank(nvshmem_op, nproc, tmp_path):
 
 @pytest.mark.parametrize("nproc", rank_params(2))
 def test_odc_trainer_matches_the_stock_trainer(nvshmem_op, nproc):
-    r = launch(REPO / "tests" / "integrations" / "hf_worker.py", nproc, ["equivalence"], timeout=420,
-               env=gpu_env(nproc)).check().result
+    r = launch_gpu(REPO / "tests" / "integrations" / "hf_worker.py", nproc, ["equivalence"], timeout=420).check().result
     assert r["optimizer"] == "OdcOptimizer" and r["stock_optimizer"] != "OdcOptimizer"
     for key in ("loss", "grad_norm"):
         odc, stock = r[key]["odc"], r[key]["stock"]
@@ -85,8 +85,7 @@ def test_odc_trainer_matches_the_stock_trainer(nvshmem_op, nproc):
 
 @pytest.mark.parametrize("nproc", rank_params(2, 3))
 def test_lockstep_free_generation_matches_the_unsharded_model(nvshmem_op, nproc):
-    r = launch(REPO / "tests" / "integrations" / "generation_worker.py", nproc, timeout=420,
-               env=gpu_env(nproc)).check().result
+    r = launch_gpu(REPO / "tests" / "integrations" / "generation_worker.py", nproc, timeout=420).check().result
     for report in r["ranks"]:
         for name, result in report["rounds"].items():
             assert result["mismatch"] == [], (report["rank"], name, result["mismatch"])

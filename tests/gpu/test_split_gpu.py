@@ -9,8 +9,7 @@ from pathlib import Path
 
 import pytest
 
-from _support.launch import launch
-from _launch import gpu_env, rank_params  # tests/gpu is on sys.path (rootdir conftest)
+from _launch import gpu_env, launch_gpu, rank_params  # tests/gpu is on sys.path (rootdir conftest)
 
 WORKER = Path(__file__).resolve().parents[1] / "sp" / "split_worker.py"
 
@@ -19,8 +18,7 @@ pytestmark = [pytest.mark.gpu, pytest.mark.slow]
 
 @pytest.mark.parametrize("nproc", rank_params(2))
 def test_split_sample_matches_reference_on_gpu(nvshmem_op, nproc):
-    r = launch(WORKER, nproc, ["train", "--model", "llama", "--checkpointing"], timeout=420,
-               env=gpu_env(nproc)).check().result
+    r = launch_gpu(WORKER, nproc, ["train", "--model", "llama", "--checkpointing"], timeout=420).check().result
     assert r["moved"] > 1e-2, r
     assert r["max_rel_diff"] < 1e-4, r  # GPU reductions are not bit-identical to the reference's order
     for got, want in zip(r["losses"], r["ref_losses"]):

@@ -8,8 +8,7 @@ from pathlib import Path
 
 import pytest
 
-from _support.launch import launch
-from _launch import gpu_env, rank_params  # tests/gpu is on sys.path (rootdir conftest)
+from _launch import launch_gpu, rank_params  # tests/gpu is on sys.path (rootdir conftest)
 
 WORKER = Path(__file__).resolve().parents[1] / "zero" / "worker.py"
 
@@ -17,8 +16,7 @@ pytestmark = [pytest.mark.gpu, pytest.mark.slow]
 
 
 def run(nproc, *args, timeout=420, env=None):
-    return launch(WORKER, nproc, [str(a) for a in args], timeout=timeout,
-                  env={**gpu_env(nproc), **(env or {})}).check().result
+    return launch_gpu(WORKER, nproc, [str(a) for a in args], timeout=timeout, env=env).check().result
 
 
 @pytest.mark.parametrize("nproc", rank_params(1, 2, 3))

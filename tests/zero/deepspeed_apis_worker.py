@@ -12,7 +12,8 @@ ODC is from stock at each point:
   then the step.
 * ``full_grads_read_repeated``: the same with every full gradient read through ``deepspeed.utils.safe_get_full_grad``
   (the same numbers whatever the partitioning, so it also compares hybrid sharding with flat stock ZeRO-3).
-* ``save_16bit_model``: the consolidated 16-bit state dict written after training.
+* ``save_16bit_model``: the consolidated 16-bit state dict written after training (into ``--dir``, a folder the test
+  owns).
 * ``unwrap_for_generation``: logits and greedy tokens inside ``unwrap_model_for_generation`` (hooks removed,
   parameters gathered), then a training step after the hooks are back.
 """
@@ -20,10 +21,9 @@ ODC is from stock at each point:
 from __future__ import annotations
 
 import argparse
+import functools
 import os
-import shutil
 import sys
-import tempfile
 
 import torch
 import torch.distributed as dist
@@ -99,20 +99,16 @@ def full_grads_read_repeated(odc) -> dict:
     return out
 
 
-def save_16bit_model(odc) -> dict:
+def save_16bit_model(odc, folder: str) -> dict:
     engine = build(tiny_llama(), ds_config(odc, optimizer="sgd",
                                            extra_zero={"stage3_gather_16bit_weights_on_model_save": True}))
     for step in range(2):
         backward_on(engine, step)
         engine.step()
-    folder = [tempfile.mkdtemp(prefix="odc_16bit_") if dist.get_rank() == 0 else None]
-    dist.broadcast_object_list(folder, src=0)
-    engine.save_16bit_model(folder[0], "model.bin")
+    folder = os.path.join(folder, "odc" if odc else "stock")
+    engine.save_16bit_model(folder, "model.bin")
     dist.barrier()
-    saved = torch.load(os.path.join(folder[0], "model.bin"), map_location="cpu", weights_only=True)
-    dist.barrier()  # every rank has read it: no test leaves files behind
-    if dist.get_rank() == 0:
-        shutil.rmtree(folder[0], ignore_errors=True)
+    saved = torch.load(os.path.join(folder, "model.bin"), map_location="cpu", weights_only=True)
     return {"saved_16bit_state_dict": flat(saved[k] for k in sorted(saved)),
             "params_after_16bit_save": flat(full_params(engine).values())}
 
@@ -139,8 +135,8 @@ OPTIONAL = [full_grads_read_repeated]  # run when named by --only
 
 def with_shard_size(section, shard_size: int):
     """``section`` with ODC on as hybrid sharding (stock stays flat ZeRO-3 over every rank)."""
-    def run(odc):
-        return section(None if odc is None else {"enabled": True, "shard_size": shard_size})
+    def run(odc, **kwargs):
+        return section(None if odc is None else {"enabled": True, "shard_size": shard_size}, **kwargs)
     run.__name__ = section.__name__
     return run
 
@@ -149,13 +145,15 @@ def main():
     parser = argparse.ArgumentParser()
     parser.add_argument("--only", default="", help="comma-separated section names (default: all)")
     parser.add_argument("--shard-size", type=int, default=0, help="ODC with zero_optimization.odc.shard_size")
+    parser.add_argument("--dir", required=True, help="a folder the test owns and removes (save_16bit_model)")
     parser.add_argument("--local_rank", type=int, default=None)
     args = parser.parse_args()
     init_ranks(timeout_s=60)
-    sections = ([s for s in SECTIONS if s.__name__ in args.only.split(",")]
-                + [s for s in OPTIONAL if s.__name__ in args.only.split(",")]) if args.only else SECTIONS
-    if args.shard_size:
-        sections = [with_shard_size(s, args.shard_size) for s in sections]
+    named = [s for s in SECTIONS + OPTIONAL if s.__name__ in args.only.split(",")] if args.only else SECTIONS
+    sections = []
+    for section in named:
+        run = with_shard_size(section, args.shard_size) if args.shard_size else section
+        sections.append(functools.partial(run, folder=args.dir) if section is save_16bit_model else run)
     out = odc_vs_stock(sections, flat(full_params(tiny_llama()).values()))
     if dist.get_rank() == 0:
         emit(out)

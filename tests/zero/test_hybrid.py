@@ -64,10 +64,10 @@ def test_dead_rank_in_another_group_is_named_within_timeout_s():
     assert err["after_s"] < 20, err  # within timeout_s (15 s) and the first step
 
 
-def test_deepspeed_apis_match_flat_stock():
+def test_deepspeed_apis_match_flat_stock(tmp_path):
     """Gradients read and dropped between backward and step (early sums over the replicas, then more pushes),
     the 16-bit save and generation with the hooks off, hybrid vs flat stock ZeRO-3."""
-    r = launch(HERE / "deepspeed_apis_worker.py", 4, ["--shard-size", 2, "--only",
+    r = launch(HERE / "deepspeed_apis_worker.py", 4, ["--shard-size", 2, "--dir", tmp_path, "--only",
                "zero_grad_then_step,full_grads_read_repeated,save_16bit_model,unwrap_for_generation"],
                timeout=360).check().result
     moved = r.pop("stock_moved")
