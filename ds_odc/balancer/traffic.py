@@ -30,7 +30,8 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any, Mapping
 
-__all__ = ["SCHEMES", "Precision", "parameter_count", "internode_bytes_per_node", "state_bytes_per_gpu", "InterNode"]
+__all__ = ["SCHEMES", "Precision", "parameter_count", "allreduce_bytes_per_node", "internode_bytes_per_node",
+           "state_bytes_per_gpu", "InterNode"]
 
 SCHEMES = ("zero3", "odc", "mics", "hybrid")
 SHARDED_BY_NODE = {"mics", "hybrid"}
