@@ -14,11 +14,11 @@ from __future__ import annotations
 
 import difflib
 import typing
-from typing import Any, Literal
+from typing import Any, Literal, Optional, Union
 
 from deepspeed.runtime.config_utils import DeepSpeedConfigModel
 from deepspeed.runtime.zero.config import DeepSpeedZeroConfig
-from pydantic import BaseModel, Field, ValidationError, field_validator, model_validator
+from pydantic import BaseModel, Field, PositiveInt, ValidationError, field_validator, model_validator
 from pydantic_core import PydanticCustomError
 
 __all__ = ["OdcConfig", "OdcZeroConfig", "odc_config_from_ds_config"]
@@ -53,6 +53,14 @@ class OdcConfig(DeepSpeedConfigModel):
     slots, summed in rank order at the step), so runs are bit-reproducible; costs (W-1) x the accumulator in GPU
     memory. Off: pushes reduce straight into the owner's fp32 accumulator in whatever order they land. The CPU
     transport is always deterministic."""
+
+    shard_size: Optional[Union[PositiveInt, Literal["node"]]] = None
+    """How many ranks share one copy of the model state (parameters, gradients, optimizer state). ``None`` (the
+    default): every rank of the job, as stock ZeRO-3. ``"node"``: the ranks of one node (``LOCAL_WORLD_SIZE``).
+    An integer S that divides the world size W: consecutive ranks ``[g*S, (g+1)*S)`` form shard group ``g``, each
+    holding one shard of the model; the W/S groups hold replicas. Reads and pushes stay inside a shard group, and
+    once per optimizer step each rank's accumulated gradient shard is summed with the other groups' copies of it (one
+    all-reduce over the W/S ranks holding that shard). Each GPU then holds 1/S of the model state instead of 1/W."""
 
     bootstrap: Literal["auto", "uid", "mpi", "mpi-native"] = "auto"
     """GPU only: how NVSHMEM starts. ``uid``: its unique id is sent over torch.distributed; ``mpi``: over mpi4py;

@@ -2,7 +2,7 @@
 
     python -m ds_odc.balancer.simulate (--lengths FILE | --preset NAME) --ranks R --minibatch-size M \\
         --max-tokens T [--cost tokens|quadratic|fitted] [--microbatch-overhead X] [--plan-cost auto|given|oracle] \\
-        [--steps N] [--seed S] [--json] [--plot out.png]
+        [--inter-node-gbs B --sharding flat|node [--tflops F]] [--steps N] [--seed S] [--json] [--plot out.png]
 
 For each of ``--steps`` minibatches, ``M * R`` lengths are drawn (``--seed``): from FILE (one length per line;
 without replacement when the file is large enough) or from a preset (see :mod:`ds_odc.balancer.presets`).
@@ -23,10 +23,19 @@ so the output shows how many steps the fit takes to plan as well as the truth wo
 Bubble rate = 1 - sum(busy) / (R * makespan), aggregated over steps as
 1 - sum_steps sum_ranks busy / (R * sum_steps step_time): the fraction of device time spent waiting.
 
-The model ignores communication and the optimizer step; it isolates the imbalance a planner leaves. The *balance
-bound* per step is max(fair share, costliest sample alone in a microbatch), the fair share being the minibatch's
-least possible work (its samples plus the fewest microbatches the budget allows) over R: no planner can finish a
-step sooner, so when one sample costs more than the fair share the bound, not the planner, limits the gain.
+**Between nodes** (``--inter-node-gbs B``, GB/s leaving each node; needs ``--model-config`` for the parameter
+count and a cost in seconds: ``--cost fitted``, or ``--cost quadratic --tflops F`` for a GPU sustaining F TFLOP/s):
+the bytes :mod:`ds_odc.balancer.traffic` counts for the ``--sharding`` are charged at B, not overlapped with
+compute. ``flat``: every microbatch's gathers and reductions cross nodes (stock ZeRO-3 under collectives, flat ODC,
+G times the bytes, under ODC); ``node`` (one shard group per node of ``--ranks-per-node`` GPUs): nothing per
+microbatch, one all-reduce of the gradient shards per step (MiCS-style under collectives, hybrid ODC under ODC).
+That time counts as busy, so the bubble stays the time ranks wait for each other.
+
+Otherwise the model ignores communication and the optimizer step; it isolates the imbalance a planner leaves. The
+*balance bound* per step is max(fair share, costliest sample alone in a microbatch), the fair share being the
+minibatch's least possible work (its samples plus the fewest microbatches the budget allows) over R: no planner can
+finish a step sooner, so when one sample costs more than the fair share the bound, not the planner, limits the
+gain (the bound counts compute only).
 """
 
 from __future__ import annotations
@@ -45,6 +54,7 @@ from .autocost import AutoCost
 from .cost import MICROBATCH_PRIOR_TOKENS, CostModel, FittedCost, QuadraticCost, TokenCost, get_cost_model
 from .planners import PLANNERS, Plan, effective_lengths, plan_minibatch
 from .presets import MODEL_SHAPES, PRESETS, get_preset
+from .traffic import InterNode, parameter_count
 
 __all__ = ["SYNC_MODE", "PLAN_COSTS", "StepResult", "Machine", "simulate_step", "simulate", "main"]
 
@@ -56,10 +66,18 @@ CONVERGED_WINDOW = 5
 
 @dataclass(frozen=True)
 class Machine:
-    """The simulated machine: a microbatch takes ``cost``'s time plus ``overhead``."""
+    """The simulated machine: a microbatch takes ``cost``'s time plus ``overhead``, plus ``internode``'s traffic
+    between nodes (None: not modelled)."""
 
     cost: CostModel
     overhead: float = 0.0
+    internode: InterNode | None = None
+
+    def communication(self, sync: str) -> tuple[float, float]:
+        """(seconds per microbatch, seconds per step) spent moving data between nodes under ``sync``."""
+        if self.internode is None:
+            return 0.0, 0.0
+        return self.internode.per_microbatch(sync), self.internode.per_step(sync)
 
     @property
     def truth(self) -> FittedCost:
@@ -80,6 +98,7 @@ class StepResult:
     tokens: np.ndarray | None = None  # per rank (what a run measures, for the automatic cost)
     sq_tokens: np.ndarray | None = None
     splits: tuple = ()  # lb-mini-sp: the split samples (ds_odc.balancer.sp.SplitSample), in execution order
+    internode: np.ndarray | None = None  # per rank, time spent moving data between nodes (in busy)
 
 
 def step_time_of(plan: Plan | None, mb_costs: Sequence[Sequence[float]], sync: str) -> float:
@@ -96,7 +115,8 @@ def step_time_of(plan: Plan | None, mb_costs: Sequence[Sequence[float]], sync: s
 
 def run_plan(name: str, plan: Plan, lengths: Sequence[int], machine: Machine) -> StepResult:
     """Time ``plan`` on ``machine``."""
-    mbc = [[t + machine.overhead for t in r] for r in plan.microbatch_costs(machine.cost, lengths)]
+    per_mb, per_step = machine.communication(SYNC_MODE[name])
+    mbc = [[t + machine.overhead + per_mb for t in r] for r in plan.microbatch_costs(machine.cost, lengths)]
     eff, sq = effective_lengths(lengths, None, plan.truncated, plan.max_tokens)
     if hasattr(plan, "rank_loads"):  # lb-mini-sp: a group member's share of a split sample
         tokens, sq_tokens = plan.rank_loads(lengths)
@@ -105,8 +125,8 @@ def run_plan(name: str, plan: Plan, lengths: Sequence[int], machine: Machine) ->
         sq_tokens = np.array([float(sq[plan.rank_samples(r)].sum()) for r in range(plan.world_size)])
     return StepResult(
         planner=name,
-        busy=np.array([math.fsum(r) for r in mbc]),
-        step_time=step_time_of(plan, mbc, SYNC_MODE[name]),
+        busy=np.array([math.fsum(r) + per_step for r in mbc]),
+        step_time=step_time_of(plan, mbc, SYNC_MODE[name]) + per_step,
         num_microbatches=np.array([len(r) for r in plan.microbatches]),
         truncated=len(plan.truncated),
         skipped=len(plan.skipped),
@@ -114,6 +134,7 @@ def run_plan(name: str, plan: Plan, lengths: Sequence[int], machine: Machine) ->
         tokens=tokens,
         sq_tokens=sq_tokens,
         splits=tuple(getattr(plan, "splits", ())),
+        internode=np.array([per_mb * len(r) + per_step for r in mbc]),
     )
 
 
@@ -127,12 +148,13 @@ def simulate_step(
     microbatch_overhead: float = 0.0,
     plan_cost: "CostModel | dict[str, CostModel] | None" = None,
     split: "SplitPolicy | None" = None,
+    internode: InterNode | None = None,
 ) -> dict[str, StepResult]:
     """Plan one minibatch with each planner and time it under the planner's sync mode.
 
-    ``cost`` and ``microbatch_overhead`` are the machine (see the module docstring); ``plan_cost`` what the planners
-    plan with (one model, or one per planner; default: ``cost``, blind to the overhead)."""
-    machine = Machine(get_cost_model(cost), microbatch_overhead)
+    ``cost``, ``microbatch_overhead`` and ``internode`` are the machine (see the module docstring); ``plan_cost``
+    what the planners plan with (one model, or one per planner; default: ``cost``, blind to the overhead)."""
+    machine = Machine(get_cost_model(cost), microbatch_overhead, internode)
     out = {}
     for name in planners:
         known = plan_cost.get(name) if isinstance(plan_cost, dict) else plan_cost
@@ -194,6 +216,7 @@ def simulate(
     plan_cost: str = "given",
     noise: float = 0.0,
     split: "SplitPolicy | None" = None,
+    internode: InterNode | None = None,
 ) -> dict:
     """Run ``steps`` minibatches; ``source`` is a preset name or a pool of lengths.  Returns the JSON summary.
 
@@ -205,7 +228,7 @@ def simulate(
     if plan_cost not in PLAN_COSTS:
         raise ValueError(f"unknown plan_cost {plan_cost!r}; choose one of {PLAN_COSTS}")
     planners = list(planners)
-    machine = Machine(get_cost_model(cost), microbatch_overhead)
+    machine = Machine(get_cost_model(cost), microbatch_overhead, internode)
     pool = source if isinstance(source, str) else np.asarray(source, dtype=np.int64)
     rng = np.random.default_rng(seed)
     noise_rng = np.random.default_rng([seed, 1])
@@ -227,10 +250,10 @@ def simulate(
         else:
             known = machine.truth if plan_cost == "oracle" else machine.cost
         res = simulate_step(lengths, ranks, max_tokens, machine.cost, planners, oversize, machine.overhead, known,
-                            split)
+                            split, internode)
         if plan_cost == "auto":
             best = simulate_step(lengths, ranks, max_tokens, machine.cost, planners, oversize, machine.overhead,
-                                 machine.truth, split)
+                                 machine.truth, split, internode)
             for p, r in res.items():
                 oracle[p].append(best[p])
                 measured = r.busy * (1.0 + noise * noise_rng.standard_normal(r.busy.size)) if noise else r.busy
@@ -263,6 +286,7 @@ def simulate(
             "balance_bound_step_time": bound_time / steps,
             "balance_bound_bubble_rate": max(0.0, 1.0 - least_busy / (ranks * bound_time)) if bound_time > 0 else 0.0,
             "steps_with_dominant_sample": dominant,
+            "internode_time_per_rank": sum(float(r.internode.mean()) for r in runs[p]) / steps,
         }
         if plan_cost == "auto":
             summary[p].update(_convergence(runs[p], oracle[p], fits[p], machine))
@@ -379,7 +403,7 @@ def _model_config(spec: str) -> dict:
     except FileNotFoundError:
         pass
     if spec in MODEL_SHAPES:
-        return dict(MODEL_SHAPES[spec])
+        return dict(MODEL_SHAPES[spec], model_type="qwen2")  # the shapes are Qwen2.5's
     raise SystemExit(f"--model-config {spec!r}: neither a JSON file nor a known model shape {sorted(MODEL_SHAPES)}")
 
 
@@ -424,7 +448,17 @@ def main(argv: Sequence[str] | None = None) -> int:
                          "with sequence parallelism; the groups follow --model-config's attention heads)")
     ap.add_argument("--sp-efficiency", type=float, default=0.8,
                     help="with --split: a sample split g ways takes 1/(g*E) of its time per member (default 0.8)")
-    ap.add_argument("--ranks-per-node", type=int, default=8, help="with --split: the largest group (default 8)")
+    ap.add_argument("--ranks-per-node", type=int, default=8,
+                    help="GPUs per node (default 8): the largest group with --split, the node of --inter-node-gbs")
+    ap.add_argument("--inter-node-gbs", type=float, metavar="B",
+                    help="charge the traffic between nodes at B GB/s per node (each way); needs --model-config and a "
+                         "cost in seconds (--cost fitted, or --cost quadratic with --tflops)")
+    ap.add_argument("--sharding", default="flat", choices=["flat", "node"],
+                    help="with --inter-node-gbs: flat (stock ZeRO-3 / flat ODC) or one shard group per node "
+                         "(MiCS-style / hybrid ODC)")
+    ap.add_argument("--tflops", type=float, metavar="F",
+                    help="with --cost quadratic: the GPU sustains F TFLOP/s, so costs (and --microbatch-overhead) "
+                         "are in seconds")
     args = ap.parse_args(argv)
 
     source = args.preset if args.preset else _read_lengths(args.lengths)
@@ -439,6 +473,22 @@ def main(argv: Sequence[str] | None = None) -> int:
             ap.error("--cost quadratic derives a*L + b*L^2 from a model's shape: add --model-config CONFIG.json "
                      "(or a shape name such as qwen2.5-1.5b)")
         cost = QuadraticCost.from_hf_config(_model_config(args.model_config))
+        if args.tflops:
+            a, b, c = cost.coefficients()
+            rate = args.tflops * 1e12
+            cost = QuadraticCost(a=a / rate, b=b / rate, c=c / rate)
+    internode = None
+    if args.inter_node_gbs:
+        if not args.model_config:
+            ap.error("--inter-node-gbs counts bytes from the model's parameters: add --model-config")
+        if not (args.cost == "fitted" or (args.cost == "quadratic" and args.tflops)):
+            ap.error("--inter-node-gbs charges seconds: use --cost fitted (seconds) or --cost quadratic --tflops F")
+        try:
+            internode = InterNode(params=parameter_count(_model_config(args.model_config)), ranks=args.ranks,
+                                  gpus_per_node=args.ranks_per_node, bandwidth=args.inter_node_gbs * 1e9,
+                                  sharding=args.sharding)
+        except ValueError as e:
+            ap.error(str(e))
     split, planners = None, PLANNERS
     if args.split:
         from .sp import SPLIT_PLANNER, SplitPolicy
@@ -452,7 +502,8 @@ def main(argv: Sequence[str] | None = None) -> int:
                            max_tokens=args.max_tokens or None, cost=cost, steps=args.steps, seed=args.seed,
                            oversize=args.oversize, keep_steps=bool(args.plot),
                            microbatch_overhead=args.microbatch_overhead, in_order=args.in_order,
-                           plan_cost=args.plan_cost, noise=args.noise, planners=planners, split=split)
+                           plan_cost=args.plan_cost, noise=args.noise, planners=planners, split=split,
+                           internode=internode)
     except ValueError as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
@@ -470,16 +521,21 @@ def main(argv: Sequence[str] | None = None) -> int:
 
 def _print_table(summary: dict, args: argparse.Namespace, seconds: float) -> None:
     src_name = f"preset {args.preset}" if args.preset else args.lengths
+    network = (f" inter-node={args.inter_node_gbs:g} GB/s/node sharding={args.sharding} "
+               f"G={args.ranks_per_node}" if args.inter_node_gbs else "")
     print(f"{src_name}: R={args.ranks} M={args.minibatch_size} T={args.max_tokens} cost={args.cost} "
-          f"overhead={args.microbatch_overhead:g} plans={args.plan_cost} steps={args.steps} seed={args.seed} "
-          f"({seconds:.1f} s)")
+          f"overhead={args.microbatch_overhead:g} plans={args.plan_cost} steps={args.steps} seed={args.seed}"
+          f"{network} ({seconds:.1f} s)")
     auto = args.plan_cost == "auto"
     print(f"{'planner':<11} {'sync':<10} {'bubble':>7} {'step time':>12} {'speedup':>8} {'mb/rank':>12}"
+          + (f" {'inter-node':>11}" if args.inter_node_gbs else "")
           + (f" {'oracle step':>12} {'within 2% from step':>20}" if auto else ""))
     for p, s in summary.items():
         line = (f"{p:<11} {s['sync']:<10} {s['bubble_rate']:>7.2%} {s['step_time']:>12.4g} "
                 f"{s['speedup_vs_local_sort'] or 0:>7.3f}x {s['microbatches_per_rank_mean']:>5.2f} "
                 f"[{s['microbatches_per_rank_min']}-{s['microbatches_per_rank_max']}]")
+        if args.inter_node_gbs:
+            line += f" {s['internode_time_per_rank']:>11.4g}"
         if auto:
             conv = s["converged_step"]
             line += f" {s['oracle_step_time']:>12.4g} {'never' if conv is None else conv:>20}"

@@ -16,6 +16,7 @@ import atexit
 import glob
 import mmap
 import os
+import socket
 import tempfile
 import uuid
 from dataclasses import dataclass, field
@@ -25,7 +26,7 @@ import torch
 import torch.distributed as dist
 
 from ds_odc.ops.meeting import Meeting
-from ds_odc.ops.transport import GatherPlan, ScatterPlan, Segment, SymmetricBuffer, Transport, out_layout
+from ds_odc.ops.transport import GatherPlan, OdcError, ScatterPlan, Segment, SymmetricBuffer, Transport, out_layout
 
 __all__ = ["ShmTransport", "shm_dir"]
 
@@ -68,10 +69,17 @@ class ShmScatterPlan(ScatterPlan):
 class ShmTransport(Transport):
     name = "shm"
 
-    def __init__(self, process_group=None, timeout_s: float = 300.0):
-        self.meet = Meeting(process_group, timeout_s)
+    def __init__(self, process_group=None, timeout_s: float = 300.0, control=None):
+        """``control``: a gloo group over the ranks of ``process_group`` for meetings (default: made from it)."""
+        self.meet = Meeting(process_group, timeout_s, control)
         super().__init__(self.meet.rank, self.meet.world_size, timeout_s)
         group = self.meet.group
+        hosts = [None] * self.world_size
+        dist.all_gather_object(hosts, socket.gethostname(), group=group)
+        if len(set(hosts)) > 1:
+            raise OdcError(f"ds_odc: the shm transport shares memory between the ranks of one host, but this group of "
+                           f"ranks {self.meet.job_ranks} runs on {sorted(set(hosts))}. Set zero_optimization.odc."
+                           "shard_size to \"node\" (one shard group per host), or use the nvshmem transport.")
         tag = [f"ds_odc-{os.getpid()}-{uuid.uuid4().hex[:12]}"] if self.rank == 0 else [None]
         dist.broadcast_object_list(tag, src=dist.get_global_rank(group, 0) if group is not None else 0, group=group)
         self.tag = tag[0]

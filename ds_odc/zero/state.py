@@ -16,6 +16,10 @@ Gradients read, written or dropped between ``backward`` and ``step`` (:meth:`set
 written outside the step (:meth:`publish_writes`, replaced shards in :meth:`fetch`) are made to behave as under
 stock ZeRO-3, where every rank meets at those points anyway. Where the minibatch stands is one :class:`Phase`.
 
+With hybrid sharding (``odc.shard_size``, :mod:`ds_odc.zero.hybrid`) the transport spans one shard group, and the
+fence also meets the whole job and sums each accumulated shard over its replicas (:class:`~ds_odc.zero.hybrid.
+Replicas`), once per step; shards written outside the step are copied from the first shard group to the others.
+
 In a torch profiler trace the four operations and the optimizer step are the ranges ``ds_odc::fetch``,
 ``ds_odc::push``, ``ds_odc::fence``, ``ds_odc::publish`` and ``ds_odc::step``.
 """
@@ -35,6 +39,7 @@ from torch.profiler import record_function
 from ds_odc.config import OdcConfig
 from ds_odc.ops import make_transport
 from ds_odc.ops.transport import GatherPlan, OdcError, ScatterPlan, Segment, SymmetricBuffer, Transport
+from ds_odc.zero.hybrid import HybridGroups, Replicas
 
 __all__ = ["OdcState", "Phase", "FetchHandle", "ShardPlace", "GradPlace", "FetchPlan", "Accumulation", "profiled"]
 
@@ -112,8 +117,10 @@ Accumulation = Callable[[], tuple[str, bool]]
 class OdcState:
     """The ODC half of one engine's ZeRO-3 step (see the module docstring)."""
 
-    def __init__(self, config: OdcConfig):
+    def __init__(self, config: OdcConfig, groups: HybridGroups | None = None):
         self.config = config
+        self.groups = groups  # None: one shard group holds every rank
+        self.replicas: Replicas | None = None
         self.transport: Transport | None = None
         self.shards: dict[int, ShardPlace] = {}
         self.params: dict[int, torch.nn.Parameter] = {}
@@ -129,9 +136,28 @@ class OdcState:
 
     # -- placement (once, while DeepSpeed builds its optimizer) --------------------------------------------------------
     def connect(self, device: torch.device, process_group) -> Transport:
+        """Start the transport over ``process_group``: the ranks DeepSpeed partitions over (the shard group)."""
         if self.transport is None:
-            self.transport = make_transport(self.config, device, process_group)
+            if self.groups is None:
+                self.transport = make_transport(self.config, device, process_group)
+            else:
+                self.transport = make_transport(self.config, device, process_group, self.groups.shard_control,
+                                                self.groups.job_control)
+                self.replicas = Replicas(self.groups, self.config.timeout_s)
         return self.transport
+
+    @property
+    def average_over(self) -> int:
+        """Every rank's gradient counts 1/W, W the whole job (as the reduce-scatter that pushes replace)."""
+        replicas = 1 if self.groups is None else self.groups.layout.replicas
+        return self.transport.world_size * replicas
+
+    def sync_replicas(self, buffers: Sequence[SymmetricBuffer] | None = None) -> None:
+        """Give every shard group the first group's shards (of ``buffers``, default all; a no-op without hybrid
+        sharding)."""
+        if self.replicas is not None:
+            buffers = [self.trainable, *self.frozen] if buffers is None else buffers
+            self.replicas.broadcast_([b.local for b in buffers if b is not None])
 
     def place_trainable(self, params: Iterable[torch.nn.Parameter], flat: torch.Tensor) -> torch.Tensor:
         """Move DeepSpeed's flat buffer of trainable shards (``lp_param_buffer``) into symmetric memory, at the same
@@ -251,7 +277,7 @@ class OdcState:
                 plan = self._push_plans[key] = self.transport.plan_scatter(self.accumulator, segments,
                                                                            [p.ds_numel for p in params])
             self.transport.scatter_accumulate(plan, [p.grad.reshape(-1) for p in params],
-                                              scale=1.0 / self.transport.world_size)
+                                              scale=1.0 / self.average_over)
         if self.phase is not Phase.STEPPING:
             self.phase = Phase.ACCUMULATING
 
@@ -263,10 +289,15 @@ class OdcState:
 
     # -- hop three: the step ------------------------------------------------------------------------------------------
     def fence(self, what: str = "the fence at the optimizer step") -> None:
-        """Meet every rank; afterwards every push issued before any rank arrived is in the accumulator."""
+        """Meet every rank; afterwards every push issued before any rank arrived is in the accumulator (with hybrid
+        sharding: summed over every shard group)."""
         started = time.perf_counter()
         with profiled("ds_odc::fence"):
+            if self.replicas is not None:
+                self.replicas.meet(what)  # the whole job: names a missing rank in any group, on every rank
             self.transport.fence([self.accumulator], what)
+            if self.replicas is not None:
+                self.replicas.sum_(self.accumulator.local)
         self.wait_s += time.perf_counter() - started
         if self.phase is Phase.ACCUMULATING:
             self.phase = Phase.SETTLED
@@ -276,6 +307,8 @@ class OdcState:
         or pushes into an accumulator before its owner emptied it."""
         with profiled("ds_odc::publish"):
             self.transport.zero_([self.accumulator])
+            if self.replicas is not None:
+                self.replicas.reset()
             started = time.perf_counter()
             self.transport.barrier("the barrier after the optimizer step")
             self.wait_s += time.perf_counter() - started
@@ -320,14 +353,20 @@ class OdcState:
     def _release_pushes(self) -> None:
         """The first push after gradients were completed early (``settle``) or dropped (``discard``): empty the
         accumulator if they were dropped, then meet, so that no peer's push of the next microbatch lands before every
-        rank is done with the gradients so far (read, written, or emptied)."""
+        rank is done with the gradients so far (read, written, or emptied). With hybrid sharding the gradients so far
+        (summed over the replicas early, perhaps written since) are kept aside unless dropped: the step sums only
+        what is pushed from now on."""
+        if self.replicas is not None:
+            self.replicas.resume(self.accumulator.local, dropped=self.phase is Phase.DISCARDED)
         if self.phase is Phase.DISCARDED:
             self.transport.zero_([self.accumulator])
         self.transport.barrier("the first gradient push after gradients were read, written or dropped before the "
                                "step (every rank must do it)")
 
     def publish_writes(self, why: str) -> None:
-        """Shards were written outside the step (on every rank): meet, so peers read the new values."""
+        """Shards were written outside the step (on every rank): meet, so peers read the new values (with hybrid
+        sharding, the first shard group's, as stock takes a modifier's write from rank 0)."""
+        self.sync_replicas()
         self.transport.barrier(f"publishing parameters written by {why} (every rank must do it)")
 
     def _adopt_replaced_shards(self) -> None:

@@ -237,14 +237,18 @@ def scenario_collectives(args):
 
 
 def scenario_fence_timeout(args):
-    """Rank 1 arrives at the fence late (or dies): rank 0 must raise an error naming it within the timeout."""
+    """Rank ``--victim`` arrives at the fence late (or dies): rank 0 must raise an error naming it within the timeout
+    (with ``--shard-size``, also when the victim is in another shard group)."""
     rank, world = rank_world()
-    engine = build(tiny_llama(), ds_config({"enabled": True, "timeout_s": args.timeout}, managed=False))
-    if rank == 0:
-        emit({"tag": engine.optimizer.odc.transport.tag})
+    odc = {"enabled": True, "timeout_s": args.timeout}
+    if args.shard_size:
+        odc["shard_size"] = args.shard_size
+    engine = build(tiny_llama(), ds_config(odc, managed=False))
+    if rank == 0:  # the shm transport's file prefix (the GPU transport has none)
+        emit({"tag": getattr(engine.optimizer.odc.transport, "tag", None)})
 
     def stall(step):
-        if rank == 1 and step == 1:
+        if rank == args.victim and step == 1:
             if args.kill:
                 os.kill(os.getpid(), 9)
             time.sleep(args.timeout + 4)
@@ -310,6 +314,7 @@ def scenario_rejects(args):
         "stage3_module_granularity_threshold": {"stage3_module_granularity_threshold": 100},
         "enable_sanity_checks": {"enable_sanity_checks": True},
         "stage": {"stage": 2},
+        "shard_size": {"odc": {"enabled": True, "shard_size": 2}},  # 2 does not divide 1 rank
     }
     out = {}
     for option, zero in cases.items():
@@ -347,6 +352,8 @@ def main():
     parser.add_argument("--frozen", action="store_true")
     parser.add_argument("--timeout", type=float, default=10.0)
     parser.add_argument("--kill", action="store_true")
+    parser.add_argument("--victim", type=int, default=1, help="fence_timeout: the rank that is late or dies")
+    parser.add_argument("--shard-size", type=int, default=0, help="zero_optimization.odc.shard_size (0: unset)")
     parser.add_argument("--fault", choices=["kill-push", "kill-fetch", "stop"], default="kill-push")
     parser.add_argument("--bf16", action="store_true")
     parser.add_argument("--optimizer", choices=["adamw", "sgd"], default="adamw")
