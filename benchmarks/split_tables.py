@@ -25,9 +25,10 @@ import time
 import numpy as np
 
 from ds_odc.balancer.cost import QuadraticCost
+from ds_odc.balancer.plan import step_time
 from ds_odc.balancer.planners import plan_minibatch
 from ds_odc.balancer.simulate import simulate
-from ds_odc.balancer.sp import SplitPolicy, plan_split, split_step_time
+from ds_odc.balancer.sp import SplitPolicy
 from ds_odc.balancer.presets import MODEL_SHAPES, get_preset
 
 PLANNERS = ("local-sort", "lb-micro", "lb-mini", "lb-mini-sp")
@@ -40,7 +41,8 @@ def _split_stats(preset: str, ranks: int, m: int, T: int | None, cost, policy, s
     counts, sizes = [], {}
     for _ in range(steps):
         lengths = get_preset(preset).sample(ranks * m, rng)
-        plan = plan_split(lengths, ranks, max_tokens=T, cost=cost, oversize="truncate", split=policy)
+        plan = plan_minibatch(lengths, ranks, planner="lb-mini-sp", max_tokens=T, cost=cost, oversize="truncate",
+                              split=policy)
         counts.append(len(plan.splits))
         for s in plan.splits:
             sizes[s.size] = sizes.get(s.size, 0) + 1
@@ -55,8 +57,9 @@ def _misjudged(cost, shape, assumed: float, true: float, steps: int, seed: int, 
     useful = sp_time = mini_time = 0.0
     for _ in range(steps):
         lengths = get_preset("agent").sample(ranks * 8, rng)
-        plan = dataclasses.replace(plan_split(lengths, ranks, cost=cost, split=plan_policy), policy=run_policy)
-        sp_time += split_step_time(plan, plan.microbatch_costs(cost, lengths))
+        planned = plan_minibatch(lengths, ranks, planner="lb-mini-sp", cost=cost, split=plan_policy)
+        plan = dataclasses.replace(planned, policy=run_policy)
+        sp_time += step_time(plan.microbatch_costs(cost, lengths), "odc", plan.splits)
         mini = plan_minibatch(lengths, ranks, planner="lb-mini", cost=cost)
         mini_time += max(mini.rank_costs(cost, lengths))
         useful += float(cost(lengths).sum())

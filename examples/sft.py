@@ -18,6 +18,7 @@ import torch
 import ds_odc  # noqa: F401  (before the model is built: installs the odc config key)
 from ds_odc.training.attention import restrict_sdpa_backends
 from ds_odc.training.collate import PackedCollator
+from ds_odc.balancer.planners import get_planner
 from ds_odc.balancer.sampler import BalancedBatchSampler
 from ds_odc.config import odc_config_from_ds_config
 from ds_odc.training.loss import global_mean_weight
@@ -75,9 +76,9 @@ def train(args) -> dict | None:
 
     ds_config = json.loads(Path(args.deepspeed).read_text())
     odc_on = odc_config_from_ds_config(ds_config).enabled
-    if args.balancer == "lb-mini" and not odc_on:
-        raise SystemExit("--balancer lb-mini gives ranks different numbers of microbatches, which only ODC can run: "
-                         'add "odc": true to zero_optimization in the ds_config, or use --balancer lb-micro')
+    if get_planner(args.balancer).runtime == "odc" and not odc_on:
+        raise SystemExit(f"--balancer {args.balancer} gives ranks different numbers of microbatches, which only ODC "
+                         'can run: add "odc": true to zero_optimization in the ds_config, or use --balancer lb-micro')
     ds_config["train_micro_batch_size_per_gpu"] = 1
     ds_config["gradient_accumulation_steps"] = 1  # boundaries are set explicitly: any count per rank
     ds_config.pop("train_batch_size", None)

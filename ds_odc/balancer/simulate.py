@@ -43,12 +43,16 @@ import numpy as np
 
 from .autocost import AutoCost
 from .cost import MICROBATCH_PRIOR_TOKENS, CostModel, FittedCost, QuadraticCost, TokenCost, get_cost_model
-from .planners import PLANNERS, Plan, effective_lengths, plan_minibatch
+from .lengths import read_lengths
+from .plan import Plan, effective_lengths, odc_schedule, step_time
+from .planners import BASELINE_PLANNER, PLANNERS, get_planner, plan_minibatch
 from .presets import MODEL_SHAPES, PRESETS, get_preset
+from .sp import SplitPolicy
 
-__all__ = ["SYNC_MODE", "PLAN_COSTS", "StepResult", "Machine", "simulate_step", "simulate", "main"]
+__all__ = ["PLAN_COSTS", "WHOLE_SAMPLE_PLANNERS", "StepResult", "Machine", "run_plan", "simulate_step", "simulate",
+           "balance_bound", "main"]
 
-SYNC_MODE = {"local-sort": "collective", "lb-micro": "collective", "lb-mini": "odc", "lb-mini-sp": "odc-sp"}
+WHOLE_SAMPLE_PLANNERS = tuple(name for name, p in PLANNERS.items() if not p.splits)  # the default comparison
 PLAN_COSTS = ("auto", "given", "oracle")
 CONVERGED = 0.02  # auto plans count as converged once their step times stay within 2% of the oracle's (or below)
 CONVERGED_WINDOW = 5
@@ -79,41 +83,24 @@ class StepResult:
     microbatch_times: tuple[tuple[float, ...], ...] = ()  # per rank, per microbatch (for plots)
     tokens: np.ndarray | None = None  # per rank (what a run measures, for the automatic cost)
     sq_tokens: np.ndarray | None = None
-    splits: tuple = ()  # lb-mini-sp: the split samples (ds_odc.balancer.sp.SplitSample), in execution order
-
-
-def step_time_of(plan: Plan | None, mb_costs: Sequence[Sequence[float]], sync: str) -> float:
-    """Step time of one plan under ``sync`` ("collective", "odc", or "odc-sp": ODC whose split samples make their
-    groups meet) given per-microbatch costs."""
-    if sync == "odc-sp":
-        from .sp import split_step_time
-        return split_step_time(plan, mb_costs)
-    if sync == "odc":
-        return max((math.fsum(r) for r in mb_costs), default=0.0)
-    slots = max((len(r) for r in mb_costs), default=0)
-    return math.fsum(max((r[j] for r in mb_costs if j < len(r)), default=0.0) for j in range(slots))
+    splits: tuple = ()  # the split samples (ds_odc.balancer.plan.SplitSample), in execution order
 
 
 def run_plan(name: str, plan: Plan, lengths: Sequence[int], machine: Machine) -> StepResult:
     """Time ``plan`` on ``machine``."""
     mbc = [[t + machine.overhead for t in r] for r in plan.microbatch_costs(machine.cost, lengths)]
-    eff, sq = effective_lengths(lengths, None, plan.truncated, plan.max_tokens)
-    if hasattr(plan, "rank_loads"):  # lb-mini-sp: a group member's share of a split sample
-        tokens, sq_tokens = plan.rank_loads(lengths)
-    else:
-        tokens = np.array([int(eff[plan.rank_samples(r)].sum()) for r in range(plan.world_size)])
-        sq_tokens = np.array([float(sq[plan.rank_samples(r)].sum()) for r in range(plan.world_size)])
+    tokens, sq_tokens = plan.rank_loads(lengths)  # a group member counts its share of a split sample
     return StepResult(
         planner=name,
         busy=np.array([math.fsum(r) for r in mbc]),
-        step_time=step_time_of(plan, mbc, SYNC_MODE[name]),
+        step_time=step_time(mbc, get_planner(name).runtime, plan.splits),
         num_microbatches=np.array([len(r) for r in plan.microbatches]),
         truncated=len(plan.truncated),
         skipped=len(plan.skipped),
         microbatch_times=tuple(tuple(r) for r in mbc),
         tokens=tokens,
         sq_tokens=sq_tokens,
-        splits=tuple(getattr(plan, "splits", ())),
+        splits=plan.splits,
     )
 
 
@@ -122,11 +109,11 @@ def simulate_step(
     ranks: int,
     max_tokens: int | None,
     cost: "str | CostModel" = "tokens",
-    planners: Iterable[str] = PLANNERS,
+    planners: Iterable[str] = WHOLE_SAMPLE_PLANNERS,
     oversize: str = "truncate",
     microbatch_overhead: float = 0.0,
     plan_cost: "CostModel | dict[str, CostModel] | None" = None,
-    split: "SplitPolicy | None" = None,
+    split: SplitPolicy | None = None,
 ) -> dict[str, StepResult]:
     """Plan one minibatch with each planner and time it under the planner's sync mode.
 
@@ -187,13 +174,13 @@ def simulate(
     steps: int = 20,
     seed: int = 0,
     oversize: str = "truncate",
-    planners: Iterable[str] = PLANNERS,
+    planners: Iterable[str] = WHOLE_SAMPLE_PLANNERS,
     keep_steps: bool = False,
     microbatch_overhead: float = 0.0,
     in_order: bool = False,
     plan_cost: str = "given",
     noise: float = 0.0,
-    split: "SplitPolicy | None" = None,
+    split: SplitPolicy | None = None,
 ) -> dict:
     """Run ``steps`` minibatches; ``source`` is a preset name or a pool of lengths.  Returns the JSON summary.
 
@@ -243,14 +230,14 @@ def simulate(
             runs[p].append(r)
         if keep_steps:
             history.append(res)
-    base = sum(r.step_time for r in runs["local-sort"]) if "local-sort" in runs else None
+    base = sum(r.step_time for r in runs[BASELINE_PLANNER]) if BASELINE_PLANNER in runs else None
     summary = {}
     for p in planners:
         wall = sum(r.step_time for r in runs[p])
         busy = sum(float(r.busy.sum()) for r in runs[p])
         all_mbs = np.concatenate([r.num_microbatches for r in runs[p]])
         summary[p] = {
-            "sync": SYNC_MODE[p],
+            "sync": get_planner(p).runtime,
             "plan_cost": plan_cost,
             "bubble_rate": max(0.0, 1.0 - busy / (ranks * wall)) if wall > 0 else 0.0,  # >= 0 but for rounding
             "step_time": wall / steps,
@@ -312,15 +299,15 @@ def plot_steps(history: list[dict[str, StepResult]], path: str, title: str = "",
         start = 0.0
         for res in (h[name] for h in history):
             slot_starts = None
-            if SYNC_MODE[name] == "collective":  # slot j starts when every rank finished slot j - 1
+            runtime = get_planner(name).runtime
+            if runtime == "collective":  # slot j starts when every rank finished slot j - 1
                 slots = max((len(r) for r in res.microbatch_times), default=0)
                 ends = np.cumsum([max((r[j] for r in res.microbatch_times if j < len(r)), default=0.0)
                                   for j in range(slots)])
                 slot_starts = np.concatenate([[0.0], ends[:-1]]) if slots else np.zeros(0)
             split_starts, shared = None, [0] * ranks
-            if SYNC_MODE[name] == "odc-sp":  # split samples first, when their whole group is free
-                from .sp import split_schedule
-                split_starts = split_schedule(res.splits, res.microbatch_times)
+            if res.splits:  # split samples first, when their whole group is free
+                split_starts = odc_schedule(res.splits, res.microbatch_times)
                 for split in res.splits:
                     for r in split.ranks:
                         if r < ranks:
@@ -341,7 +328,7 @@ def plot_steps(history: list[dict[str, StepResult]], path: str, title: str = "",
             ax.plot([start, start], [y - 0.5, y + ranks - 0.5], color="black", lw=1.0)
         bubble = 1.0 - sum(float(h[name].busy.sum()) for h in history) / (len(history[0][name].busy) * start)
         yticks.append(y + (ranks - 1) / 2)
-        ylabels.append(f"{name}\n({SYNC_MODE[name]})\nbubble {bubble:.1%}")
+        ylabels.append(f"{name}\n({get_planner(name).runtime})\nbubble {bubble:.1%}")
         y += ranks + 1
     ax.set_yticks(yticks, ylabels, fontsize=8)
     ax.invert_yaxis()
@@ -355,22 +342,6 @@ def plot_steps(history: list[dict[str, StepResult]], path: str, title: str = "",
 
 
 # -- the command line -----------------------------------------------------------------------------------------------
-def _read_lengths(path: str) -> np.ndarray:
-    vals = []
-    with open(path) as f:
-        for lineno, line in enumerate(f, 1):
-            line = line.strip()
-            if not line or line.startswith("#"):
-                continue
-            try:
-                vals.append(int(float(line)))
-            except ValueError:
-                raise SystemExit(f"{path}:{lineno}: expected one integer length per line, got {line!r}") from None
-    if not vals:
-        raise SystemExit(f"{path}: no lengths found")
-    return np.asarray(vals, dtype=np.int64)
-
-
 def _model_config(spec: str) -> dict:
     """A model config from a JSON file (e.g. a checkpoint's config.json) or the name of an example model shape."""
     try:
@@ -386,7 +357,8 @@ def _model_config(spec: str) -> dict:
 def main(argv: Sequence[str] | None = None) -> int:
     ap = argparse.ArgumentParser(
         prog="python -m ds_odc.balancer.simulate",
-        description="Predict the bubble rate of local-sort, lb-micro (collective) and lb-mini (ODC).",
+        description="Predict the bubble rate of the balancer's planners: "
+                    + "; ".join(f"{p.name} ({p.runtime}): {p.description}" for p in PLANNERS.values()) + ".",
     )
     src = ap.add_mutually_exclusive_group(required=True)
     src.add_argument("--lengths", help="file with one sample length (tokens) per line")
@@ -419,15 +391,22 @@ def main(argv: Sequence[str] | None = None) -> int:
     ap.add_argument("--json", action="store_true", help="print one JSON object and nothing else")
     ap.add_argument("--plot", help="PNG: every planner's ranks on one time axis, microbatch by microbatch")
     ap.add_argument("--plot-steps", type=int, default=3, help="steps drawn by --plot (default 3)")
+    splitting = [p.name for p in PLANNERS.values() if p.splits]
+    ap.add_argument("--planners", default=None, metavar="A,B,...",
+                    help=f"the planners to compare (default: {','.join(WHOLE_SAMPLE_PLANNERS)}; all: "
+                         f"{','.join(PLANNERS)})")
     ap.add_argument("--split", action="store_true",
-                    help="also plan lb-mini-sp (ODC; samples no rank can take alone are split over groups of ranks "
-                         "with sequence parallelism; the groups follow --model-config's attention heads)")
+                    help=f"also plan {', '.join(splitting)} (samples no rank can take alone are split over groups of "
+                         "ranks with sequence parallelism; the groups follow --model-config's attention heads)")
     ap.add_argument("--sp-efficiency", type=float, default=0.8,
                     help="with --split: a sample split g ways takes 1/(g*E) of its time per member (default 0.8)")
     ap.add_argument("--ranks-per-node", type=int, default=8, help="with --split: the largest group (default 8)")
     args = ap.parse_args(argv)
 
-    source = args.preset if args.preset else _read_lengths(args.lengths)
+    try:
+        source = args.preset if args.preset else read_lengths(args.lengths)
+    except (OSError, ValueError) as err:
+        ap.error(f"--lengths: {err}")
     cost: CostModel = TokenCost()
     if args.cost == "fitted":
         if not args.cost_coeffs:
@@ -439,13 +418,18 @@ def main(argv: Sequence[str] | None = None) -> int:
             ap.error("--cost quadratic derives a*L + b*L^2 from a model's shape: add --model-config CONFIG.json "
                      "(or a shape name such as qwen2.5-1.5b)")
         cost = QuadraticCost.from_hf_config(_model_config(args.model_config))
-    split, planners = None, PLANNERS
+    planners = tuple(args.planners.split(",")) if args.planners else WHOLE_SAMPLE_PLANNERS
     if args.split:
-        from .sp import SPLIT_PLANNER, SplitPolicy
+        planners += tuple(p for p in splitting if p not in planners)
+    try:
+        specs = [get_planner(p) for p in planners]
+    except ValueError as err:
+        ap.error(f"--planners: {err}")
+    split = None
+    if any(p.splits for p in specs):
         options = dict(efficiency=args.sp_efficiency, ranks_per_node=args.ranks_per_node)
         split = (SplitPolicy.from_hf_config(_model_config(args.model_config), **options) if args.model_config
                  else SplitPolicy(**options))
-        planners = PLANNERS + (SPLIT_PLANNER,)
     t0 = time.perf_counter()
     try:
         summary = simulate(source, ranks=args.ranks, minibatch_size=args.minibatch_size,

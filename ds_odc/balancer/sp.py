@@ -41,15 +41,14 @@ from typing import Any, Mapping, Sequence
 
 import numpy as np
 
-from .cost import CostModel, get_cost_model
+from .cost import CostModel
 from .packing import pack
-from .partitioner import _local_search
-from .planners import Plan, checked_minibatch, effective_lengths, plan_minibatch
+from .partitioner import exchange_search
+from .plan import Plan, SplitSample, checked_minibatch
+from .whole import assign_lb_mini
 
-__all__ = ["SPLIT_PLANNER", "SplitPolicy", "SplitSample", "SplitPlan", "plan_split", "split_schedule",
-           "split_step_time"]
+__all__ = ["SplitPolicy", "SplitPlan", "plan_split", "longest_split_sample"]
 
-SPLIT_PLANNER = "lb-mini-sp"
 DEFAULT_EFFICIENCY = 0.8
 # Assumed H200 ratio of achieved bf16 training FLOP/s (~400 T) to all-to-all bytes/s per GPU inside one NVLink node
 # (~150 G): what prices the exchange against compute. An estimate, not a measurement.
@@ -134,166 +133,90 @@ class SplitPolicy:
             g *= 2
         return tuple(sizes)
 
+    def compute_share(self, g: int) -> float:
+        """The fraction of a split sample's compute each of its ``g`` members spends: ``1 / (g * efficiency)``."""
+        return 1.0 / (g * self.efficiency)
+
     def member_cost(self, cost: Any, length: Any, g: int, token_cost: float) -> Any:
         """Per-member cost of a sample of ``length`` tokens whose own cost (``a*L + b*S``, without the microbatch's
         fixed cost) is ``cost``, split ``g`` ways; ``token_cost`` is the cost model's ``a`` (vectorised over numpy
         arrays)."""
         kv = self.num_key_value_heads or 0
         per_token = token_cost * (self.exchange_per_token + self.exchange_per_kv_head * max(kv, g))
-        return cost / (g * self.efficiency) + (length / g) * ((g - 1) / g) * per_token
-
-
-@dataclass(frozen=True)
-class SplitSample:
-    """Sample ``index`` trained by ``ranks`` together (ascending; member ``k`` holds slice ``k`` of its tokens)."""
-
-    index: int
-    ranks: tuple[int, ...]
-
-    @property
-    def size(self) -> int:
-        return len(self.ranks)
+        return cost * self.compute_share(g) + (length / g) * ((g - 1) / g) * per_token
 
 
 @dataclass(frozen=True)
 class SplitPlan(Plan):
-    """A :class:`Plan` in which some samples are trained by groups of ranks.
+    """A :class:`~ds_odc.balancer.plan.Plan` whose split samples cost what :class:`SplitPolicy` says.
 
     A split sample appears as a one-sample microbatch in the list of every member, before the member's own
     microbatches, in the order of :attr:`splits` (the order every member runs them in). ``num_samples`` and
     ``num_tokens`` count it once, so the loss normalisers are those of any other plan of the minibatch.
 
     Attributes:
-        splits: the split samples, in execution order.
         split_limit: a sample longer than this (``max_tokens`` times the largest group size) was truncated to it.
         policy: the :class:`SplitPolicy` planned with.
     """
 
-    splits: tuple[SplitSample, ...] = ()
     split_limit: int | None = None
     policy: SplitPolicy = field(default_factory=SplitPolicy)
 
     @property
-    def groups(self) -> dict[int, tuple[int, ...]]:
-        """``{sample index: member ranks}`` of the split samples."""
-        return {s.index: s.ranks for s in self.splits}
+    def truncated_to(self) -> int | None:
+        return self.split_limit
 
-    def split_of(self, index: int) -> SplitSample | None:
-        return next((s for s in self.splits if s.index == index), None)
+    def split_member_cost(self, split: SplitSample, cost: float, length: int, cost_model: CostModel) -> float:
+        """Per member: its compute share, plus its part of the exchange (:meth:`SplitPolicy.member_cost`)."""
+        return float(self.policy.member_cost(cost, length, split.size, cost_model.a))
 
-    def effective_length(self, index: int, lengths: Sequence[int]) -> int:
-        """Tokens sample ``index`` actually trains (its length, or :attr:`split_limit` if it was truncated)."""
-        L = int(lengths[index])
-        return min(L, self.split_limit) if index in self._truncated_set else L
-
-    def microbatch_costs(self, cost_model: "str | CostModel", lengths: Sequence[int],
-                         sq_lengths: Sequence[float] | None = None) -> list[list[float]]:
-        """Cost of every microbatch of every rank; a split sample's microbatch costs each member its share
-        (:meth:`SplitPolicy.member_cost`) plus the fixed cost of a microbatch."""
-        cm = get_cost_model(cost_model)
-        eff, sq = effective_lengths(lengths, sq_lengths, self.truncated, self.split_limit)
-        c = cm.sample_costs(eff, sq) if eff.size else np.zeros(0)
-        fixed = cm.per_microbatch
-        groups = self.groups
-        out = []
-        for rank in self.microbatches:
-            row = []
-            for mb in rank:
-                if len(mb) == 1 and mb[0] in groups:
-                    i = mb[0]
-                    row.append(float(self.policy.member_cost(c[i], eff[i], len(groups[i]), cm.a)) + fixed)
-                else:
-                    row.append(float(c[mb].sum()) + fixed if mb else 0.0)
-            out.append(row)
-        return out
-
-    def rank_loads(self, lengths: Sequence[int], sq_lengths: Sequence[float] | None = None
-                   ) -> tuple[np.ndarray, np.ndarray]:
-        """(tokens, sum of squared document lengths) per rank as a cost fit should see them: a member of a group
-        counts ``1 / (g * efficiency)`` of the split sample's, the share of its compute it spends (the exchange,
-        not linear in either, is left out)."""
-        eff, sq = effective_lengths(lengths, sq_lengths, self.truncated, self.split_limit)
-        tokens, squares = np.zeros(self.world_size), np.zeros(self.world_size)
-        groups = self.groups
-        for r in range(self.world_size):
-            ids = np.asarray(self.rank_samples(r), dtype=np.int64)
-            w = np.asarray([1.0 / (len(groups[i]) * self.policy.efficiency) if i in groups else 1.0
-                            for i in ids.tolist()])
-            tokens[r] = float((eff[ids] * w).sum()) if ids.size else 0.0
-            squares[r] = float((sq[ids] * w).sum()) if ids.size else 0.0
-        return tokens, squares
+    def split_compute_share(self, split: SplitSample) -> float:
+        return self.policy.compute_share(split.size)
 
 
-def split_schedule(splits: Sequence[SplitSample], mb_costs: Sequence[Sequence[float]]) -> list[list[float]]:
-    """When each microbatch of each rank starts under ODC, given the microbatches' durations: a split sample (the
-    first microbatches of its members, in ``splits`` order) starts once all its members have finished what they ran
-    before it, and ends when the slowest member's share is done; a rank's own microbatches then follow without
-    waiting for anybody."""
-    ready = [0.0] * len(mb_costs)
-    starts: list[list[float]] = [[] for _ in mb_costs]
-    for s in splits:
-        start = max(ready[r] for r in s.ranks)
-        end = start + max(mb_costs[r][len(starts[r])] for r in s.ranks)
-        for r in s.ranks:
-            starts[r].append(start)
-            ready[r] = end
-    for r, row in enumerate(mb_costs):
-        t = ready[r]
-        for d in row[len(starts[r]):]:
-            starts[r].append(t)
-            t += d
-    return starts
-
-
-def split_step_time(plan: Plan, mb_costs: Sequence[Sequence[float]]) -> float:
-    """Step time of a plan whose split samples make their groups meet (see :func:`split_schedule`)."""
-    starts = split_schedule(getattr(plan, "splits", ()), mb_costs)
-    return max((s[-1] + row[-1] for s, row in zip(starts, mb_costs) if row), default=0.0)
+def longest_split_sample(max_tokens: int, world_size: int, policy: SplitPolicy) -> int:
+    """The longest sample that ``lb-mini-sp`` trains whole: ``max_tokens`` per slice over its largest group."""
+    return max_tokens * max(policy.group_sizes(int(world_size)), default=1)
 
 
 def plan_split(
     lengths: Sequence[int],
     world_size: int,
     *,
+    name: str,
     max_tokens: int | None = None,
     cost: "str | CostModel" = "tokens",
     oversize: str = "error",
     split: SplitPolicy | None = None,
     sq_lengths: Sequence[float] | None = None,
 ) -> SplitPlan:
-    """Plan one minibatch with ``lb-mini-sp`` (see the module docstring); arguments as
-    :func:`~ds_odc.balancer.planners.plan_minibatch`, plus the :class:`SplitPolicy` (default: 0.8 efficiency, groups
-    of up to 8 ranks, no head limits, no exchange cost).
+    """Plan one minibatch with the split planner (see the module docstring); called as
+    ``plan_minibatch(..., planner="lb-mini-sp", split=policy)``, whose arguments it takes (``name``: the planner's
+    name in the plan; ``split``: the :class:`SplitPolicy`, default ``SplitPolicy()``).
 
     ``max_tokens`` bounds every microbatch, a split sample's slices included, so a sample of up to ``max_tokens``
     times the largest allowed group size is trained whole; ``oversize`` applies beyond that.
     """
     policy = split or SplitPolicy()
-    sizes = policy.group_sizes(int(world_size))
+    W = int(world_size)
+    sizes = policy.group_sizes(W)
+    limit = None if max_tokens is None else longest_split_sample(max_tokens, W, policy)
     g_max = max(sizes, default=1)
-    limit = None if max_tokens is None else max_tokens * g_max
     why = (f"so even split over at most {g_max} ranks (world size {world_size}, ranks_per_node "
            f"{policy.ranks_per_node}" + (f", max_group_size {policy.max_group_size}" if policy.max_group_size else "")
-           + f"{_head_note(policy, int(world_size))}) its slices exceed max_tokens={max_tokens}; allowing larger "
+           + f"{_head_note(policy, W)}) its slices exceed max_tokens={max_tokens}; allowing larger "
            "groups is another way out")
-    W, cm, lens, sq, truncated, skipped = checked_minibatch(lengths, world_size, max_tokens, cost, oversize,
-                                                            sq_lengths, limit, why)
-
-    active = np.arange(lens.size)
-    if skipped:
-        active = np.setdiff1d(active, np.asarray(skipped, dtype=np.int64))
-    act_lens, act_sq = lens[active], sq[active]
-    costs = cm.sample_costs(act_lens, act_sq) if active.size else np.zeros(0)
+    m = checked_minibatch(lengths, W, max_tokens, cost, oversize, sq_lengths, limit, why)
+    cm, active, act_lens, act_sq, costs = m.cost, m.active, m.lengths, m.sq_lengths, m.costs
     fixed = cm.per_microbatch
     widths = _choose_widths(act_lens, costs, fixed, float(cm.a), W, max_tokens, sizes, policy)
 
-    common = dict(num_samples=int(active.size), num_tokens=int(act_lens.sum()), planner=SPLIT_PLANNER,
-                  max_tokens=max_tokens, truncated=truncated, skipped=skipped, split_limit=limit, policy=policy)
+    common = dict(num_samples=int(active.size), num_tokens=int(act_lens.sum()), planner=name,
+                  max_tokens=max_tokens, truncated=m.truncated, skipped=m.skipped, split_limit=limit, policy=policy)
+    act = active.tolist()
     if not widths:  # nothing worth splitting: exactly LB-Mini (every sample fits max_tokens here)
-        base = plan_minibatch(act_lens, W, planner="lb-mini", max_tokens=max_tokens, cost=cm, sq_lengths=act_sq)
-        act = active.tolist()
-        return SplitPlan(microbatches=[[[act[j] for j in mb] for mb in rank] for rank in base.microbatches],
-                         **common)
+        base = assign_lb_mini(act_lens.tolist(), costs.tolist(), fixed, W, max_tokens)
+        return SplitPlan(microbatches=[[[act[j] for j in mb] for mb in rank] for rank in base], **common)
 
     member = {j: float(policy.member_cost(costs[j], act_lens[j], g, cm.a)) + fixed for j, g in widths.items()}
     order = sorted(widths, key=lambda j: (-member[j], j))
@@ -308,9 +231,9 @@ def plan_split(
         b = int(soonest[0] if soonest.size == 1 else soonest[np.argmin(-blocks[soonest].sum(axis=1))])
         ranks = tuple(range(b * g, (b + 1) * g))
         ready[b * g:(b + 1) * g] = starts[b] + member[j]
-        splits.append(SplitSample(int(active[j]), ranks))
+        splits.append(SplitSample(act[j], ranks))
         for r in ranks:
-            first[r].append([int(active[j])])
+            first[r].append([act[j]])
 
     rest = [j for j in range(active.size) if j not in widths]
     # As lb-mini counts them: a sample alone in its microbatch pays the fixed cost, a packed one its token share.
@@ -320,7 +243,7 @@ def plan_split(
     for r in range(W):
         mine = [rest[k] for k in shares[r]]
         local = pack(mine, act_lens, max_tokens, None, cm, sq_lengths=act_sq) if mine else []
-        microbatches.append(first[r] + [[int(active[j]) for j in mb] for mb in local])
+        microbatches.append(first[r] + [[act[j] for j in mb] for mb in local])
     return SplitPlan(microbatches=microbatches, splits=tuple(splits), **common)
 
 
@@ -382,6 +305,6 @@ def _balance_around(costs: list[float], base: list[float]) -> list[list[int]]:
         load, r = heapq.heappop(heap)
         items[r].append(i)
         heapq.heappush(heap, (load + costs[i], r))
-    _local_search(items, costs, allow_moves=True, max_evals=2 * k + _MAX_EVALS_EXTRA, max_partners=_MAX_PARTNERS,
+    exchange_search(items, costs, allow_moves=True, max_evals=2 * k + _MAX_EVALS_EXTRA, max_partners=_MAX_PARTNERS,
                   base=base)
     return [sorted(b) for b in items]

@@ -32,7 +32,8 @@ from transformers.utils import logging
 
 import ds_odc
 from ds_odc.training.collate import PackedCollator
-from ds_odc.balancer.sampler import BalancedBatchSampler, lengths_from_dataset, sq_lengths_from_dataset
+from ds_odc.balancer.lengths import lengths_from_dataset, sq_lengths_from_dataset
+from ds_odc.balancer.sampler import BalancedBatchSampler
 from ds_odc.config import odc_config_from_ds_config
 from ds_odc.balancer.checks import check_label_lengths
 from ds_odc.integrations._metrics import BalanceMeter

@@ -13,6 +13,7 @@ import numpy as np
 import torch
 
 from ds_odc.balancer import FittedCost, QuadraticCost
+from ds_odc.balancer.planners import DEFAULT_PLANNER, PLANNERS
 from ds_odc.balancer.presets import MODEL_SHAPES, PRESETS
 from ds_odc.recipes.workloads import load_lengths, tokenize_text_file
 from ds_odc.training import attention
@@ -35,7 +36,8 @@ def sft_argument_parser(description: str | None = None, deepspeed_config: bool =
     p.add_argument("--num-samples", type=int, default=None, help="dataset size for --preset (default: enough)")
     p.add_argument("--length-scale", type=float, default=1.0, help="multiply preset lengths (tiny CPU runs)")
     p.add_argument("--equal-lengths", type=int, default=None, help="every sample this long (no-regression runs)")
-    p.add_argument("--balancer", default="lb-mini", choices=["local-sort", "lb-micro", "lb-mini"])
+    p.add_argument("--balancer", default=DEFAULT_PLANNER, choices=[n for n, spec in PLANNERS.items() if not spec.splits],
+                   help="; ".join(f"{spec.name}: {spec.description}" for spec in PLANNERS.values() if not spec.splits))
     p.add_argument("--cost", default="auto", choices=["auto", "tokens", "quadratic", "fitted"],
                    help="balancer cost model; auto (default): refitted every step from the measured busy times, "
                         "starting from the model's shape; quadratic: a*L + b*L^2 from the model's shape; fitted: "

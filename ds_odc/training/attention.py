@@ -38,7 +38,7 @@ from torch.utils.weak import WeakTensorKeyDictionary
 
 __all__ = ["ATTENTION_NAME", "DocumentBoundaries", "register", "set_kernel", "kernel_for", "varlen_attention_forward",
            "boundaries_from_position_ids", "bucket_length", "bucket_lengths", "plan_buckets",
-           "remember_host_boundaries", "restrict_sdpa_backends"]
+           "remember_host_boundaries", "restrict_sdpa_backends", "mask_for_varlen"]
 
 ATTENTION_NAME = "ds_odc_varlen"
 Kernel = Literal["auto", "varlen", "sdpa", "bucketed"]
@@ -315,7 +315,7 @@ def plan_buckets(config, longest: int, device: torch.device, dtype: torch.dtype)
     return len(buckets), time.perf_counter() - started
 
 
-def _mask_for_varlen(batch_size, q_length, kv_length, q_offset=0, kv_offset=0, mask_function=None,
+def mask_for_varlen(batch_size, q_length, kv_length, q_offset=0, kv_offset=0, mask_function=None,
                      attention_mask=None, **kwargs):
     """transformers' mask hook for ``ds_odc_varlen``: no mask to build; only a padding mask is passed on (as the
     flash-attention implementations do), so that a padded batch is refused instead of silently mixed."""
@@ -328,7 +328,7 @@ def register() -> str:
     from transformers import AttentionInterface
     from transformers.masking_utils import AttentionMaskInterface
     AttentionInterface.register(ATTENTION_NAME, varlen_attention_forward)
-    AttentionMaskInterface.register(ATTENTION_NAME, _mask_for_varlen)
+    AttentionMaskInterface.register(ATTENTION_NAME, mask_for_varlen)
     return ATTENTION_NAME
 
 

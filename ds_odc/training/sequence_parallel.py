@@ -47,7 +47,7 @@ from typing import Any, Iterator, Mapping, Sequence
 import torch
 import torch.nn.functional as F
 
-from ds_odc.training.attention import _mask_for_varlen, varlen_attention_forward
+from ds_odc.training.attention import mask_for_varlen, varlen_attention_forward
 from ds_odc.balancer.sp import SplitPolicy
 from ds_odc.ops.transport import FenceTimeout, OdcError
 
@@ -185,7 +185,7 @@ def register() -> str:
     from transformers import AttentionInterface
     from transformers.masking_utils import AttentionMaskInterface
     AttentionInterface.register(ATTENTION_NAME, sp_attention_forward)
-    AttentionMaskInterface.register(ATTENTION_NAME, _mask_for_varlen)
+    AttentionMaskInterface.register(ATTENTION_NAME, mask_for_varlen)
     return ATTENTION_NAME
 
 

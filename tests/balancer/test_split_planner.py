@@ -10,7 +10,12 @@ from ds_odc.balancer import plan_minibatch
 from ds_odc.balancer.cost import FittedCost, QuadraticCost, TokenCost
 from ds_odc.balancer.presets import get_preset
 from ds_odc.balancer.simulate import main, simulate
-from ds_odc.balancer.sp import SplitPlan, SplitPolicy, plan_split, split_schedule, split_step_time
+from ds_odc.balancer.plan import SplitSample, odc_schedule, step_time
+from ds_odc.balancer.sp import SplitPlan, SplitPolicy
+
+
+def plan_split(lengths, world_size, **options):
+    return plan_minibatch(lengths, world_size, planner="lb-mini-sp", **options)
 from ds_odc.balancer.presets import MODEL_SHAPES
 
 QWEN_1_5B = MODEL_SHAPES["qwen2.5-1.5b"]
@@ -136,12 +141,11 @@ def test_policy_from_a_model_config():
 
 
 def test_schedule_waits_for_the_whole_group_in_plan_order():
-    from ds_odc.balancer.sp import SplitSample
     splits = (SplitSample(0, (0, 1, 2, 3)), SplitSample(1, (0, 1)))
     times = [[4.0, 2.0, 1.0], [4.0, 2.0], [4.0, 1.0], [4.0]]
-    assert split_schedule(splits, times) == [[0.0, 4.0, 6.0], [0.0, 4.0], [0.0, 4.0], [0.0]]
+    assert odc_schedule(splits, times) == [[0.0, 4.0, 6.0], [0.0, 4.0], [0.0, 4.0], [0.0]]
     plan = plan_split([10, 1], 2, cost="tokens")
-    assert split_step_time(plan, plan.microbatch_costs("tokens", [10, 1])) == pytest.approx(10 / 1.6 + 1)
+    assert step_time(plan.microbatch_costs("tokens", [10, 1]), "odc", plan.splits) == pytest.approx(10 / 1.6 + 1)
 
 
 def test_plans_are_deterministic_and_fast_enough_to_compute_everywhere():
@@ -176,7 +180,7 @@ def test_simulator_cli_reports_lb_mini_sp(capsys, tmp_path):
     assert rc == 0
     data = json.loads(capsys.readouterr().out)
     assert set(data) == {"local-sort", "lb-micro", "lb-mini", "lb-mini-sp"}
-    assert data["lb-mini-sp"]["sync"] == "odc-sp"
+    assert data["lb-mini-sp"]["sync"] == "odc"
     assert data["lb-mini-sp"]["step_time"] < data["lb-mini"]["step_time"]
     assert png.read_bytes()[:4] == b"\x89PNG"
 

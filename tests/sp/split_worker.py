@@ -17,7 +17,8 @@ import ds_odc  # noqa: F401  (installs the odc config key before any engine is b
 import ds_odc.training.sequence_parallel  # noqa: F401  (registers attn_implementation="ds_odc_sp")
 from _support.launch import emit, init_test_ranks
 from ds_odc.training.collate import PackedCollator
-from ds_odc.balancer.sp import SplitPolicy, plan_split
+from ds_odc.balancer.planners import plan_minibatch
+from ds_odc.balancer.sp import SplitPolicy
 from ds_odc.training.distributed import shutdown_and_exit
 from ds_odc.training.loss import global_mean_weight, token_loss_sum, use_chunked_loss
 from ds_odc.training.sequence_parallel import SequenceParallel, slice_loss_sum
@@ -83,7 +84,8 @@ def train(engine, sp: SequenceParallel, steps: int, world: int, rank: int, befor
     for step in range(steps):
         samples = minibatch(step, world)
         lengths = [s.numel() for s in samples]
-        plan = plan_split(lengths, world, max_tokens=MAX_TOKENS, cost="tokens", split=sp.policy)
+        plan = plan_minibatch(lengths, world, planner="lb-mini-sp", max_tokens=MAX_TOKENS, cost="tokens",
+                              split=sp.policy)
         weight = global_mean_weight(plan.num_label_tokens, world)
         groups = plan.groups
         local = 0.0
