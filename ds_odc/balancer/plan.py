@@ -28,14 +28,36 @@ OVERSIZE_POLICIES = ("error", "truncate", "skip")
 
 @dataclass(frozen=True)
 class SplitSample:
-    """Sample ``index`` trained by ``ranks`` together (ascending; member ``k`` holds slice ``k`` of its tokens)."""
+    """Sample ``index`` trained by ``ranks`` together (ascending, an aligned block of ``size`` ranks).
+
+    Inside attention the group is ``ulysses`` ranks that share the heads (Ulysses: all-to-alls between consecutive
+    members) times ``ring`` such sets that exchange keys and values (context parallelism between members
+    ``ulysses`` apart); ``size == ulysses * ring``. ``ulysses=0`` (the default) means the whole group.
+    """
 
     index: int
     ranks: tuple[int, ...]
+    ulysses: int = 0
+
+    def __post_init__(self):
+        if self.ulysses == 0:
+            object.__setattr__(self, "ulysses", len(self.ranks))
+        if self.ulysses < 1 or len(self.ranks) % self.ulysses:
+            raise ValueError(f"SplitSample: {len(self.ranks)} ranks do not form Ulysses groups of {self.ulysses}")
 
     @property
     def size(self) -> int:
         return len(self.ranks)
+
+    @property
+    def ring(self) -> int:
+        """How many sets of ``ulysses`` members exchange keys and values (1: Ulysses alone)."""
+        return len(self.ranks) // self.ulysses
+
+    @property
+    def shape(self) -> str:
+        """``"UxR"``: Ulysses ranks x ring ranks."""
+        return f"{self.ulysses}x{self.ring}"
 
 
 @dataclass(frozen=True)
@@ -108,18 +130,18 @@ class Plan:
         member its share (see :meth:`split_member_cost`)."""
         cm = get_cost_model(cost_model)
         eff, sq = self.trained_lengths(lengths, sq_lengths)
-        c = cm.sample_costs(eff, sq) if eff.size else np.zeros(0)
+        c = (cm.sample_costs(eff, sq) if eff.size else np.zeros(0)).tolist()  # floats: cheaper than numpy per sum
         fixed = cm.per_microbatch
-        split = {s.index: s for s in self.splits}
+        member = {s.index: float(self.split_member_cost(s, c[s.index], int(eff[s.index]), cm)) + fixed
+                  for s in self.splits}
         out = []
         for rank in self.microbatches:
             row = []
             for mb in rank:
-                if len(mb) == 1 and mb[0] in split:
-                    i = mb[0]
-                    row.append(float(self.split_member_cost(split[i], float(c[i]), int(eff[i]), cm)) + fixed)
+                if len(mb) == 1 and mb[0] in member:
+                    row.append(member[mb[0]])
                 else:
-                    row.append(float(c[mb].sum()) + fixed if mb else 0.0)
+                    row.append(math.fsum(c[i] for i in mb) + fixed if mb else 0.0)
             out.append(row)
         return out
 

@@ -12,7 +12,8 @@ model's ``c``) plus ``--microbatch-overhead``. Step time depends on how the plan
 
 * collective (``local-sort``, ``lb-micro``): every microbatch ends in collectives, so microbatch slot ``j`` ends
   when the slowest rank finishes its ``j``-th microbatch: step = sum over slots j of max over ranks of cost(r, j);
-* ODC (``lb-mini``): ranks only meet at the end of the minibatch: step = max over ranks of the rank's total.
+* ODC (``lb-mini``, ``lb-mini-sp``): ranks only meet at the end of the minibatch (and a split sample's group
+  for that sample): step = max over ranks of the rank's total, its waits for a group included.
 
 **What the planners know** (``--plan-cost``): ``given``, the ``--cost`` model without the overhead; ``oracle``,
 the machine's true cost, overhead included; ``auto`` (the default, as in training), the
@@ -21,7 +22,12 @@ refitted after every simulated step from the simulated busy times (``--noise`` p
 so the output shows how many steps the fit takes to plan as well as the truth would.
 
 Bubble rate = 1 - sum(busy) / (R * makespan), aggregated over steps as
-1 - sum_steps sum_ranks busy / (R * sum_steps step_time): the fraction of device time spent waiting.
+1 - sum_steps sum_ranks busy / (R * sum_steps step_time): the fraction of device time spent waiting. A planner that
+splits samples over groups of ranks (``lb-mini-sp``) makes them cost more in all than trained whole (the split's
+efficiency, the exchange, a fixed cost per member); that *split overhead* counts as busy in the bubble rate, and as
+idle in the *work bubble rate*, 1 - (busy - split overhead) / (R * makespan) (the same as the bubble rate for the
+planners that do not split). Each plan's step time follows its runtime: under ODC, split samples start when their
+whole group is free, in the plan's order.
 
 The model ignores communication and the optimizer step; it isolates the imbalance a planner leaves. The *balance
 bound* per step is max(fair share, costliest sample alone in a microbatch), the fair share being the minibatch's
@@ -84,12 +90,23 @@ class StepResult:
     tokens: np.ndarray | None = None  # per rank (what a run measures, for the automatic cost)
     sq_tokens: np.ndarray | None = None
     splits: tuple = ()  # the split samples (ds_odc.balancer.plan.SplitSample), in execution order
+    split_overhead: float = 0.0  # busy time the groups spent beyond the split samples' cost trained whole
 
 
 def run_plan(name: str, plan: Plan, lengths: Sequence[int], machine: Machine) -> StepResult:
     """Time ``plan`` on ``machine``."""
     mbc = [[t + machine.overhead for t in r] for r in plan.microbatch_costs(machine.cost, lengths)]
     tokens, sq_tokens = plan.rank_loads(lengths)  # a group member counts its share of a split sample
+    split_overhead = 0.0  # what the groups spent beyond the split samples' cost trained whole on one rank
+    if plan.splits:
+        eff, sq = plan.trained_lengths(lengths)
+        alone = machine.cost.sample_costs(eff, sq) + machine.truth.per_microbatch
+        seen = [0] * plan.world_size  # a member's split samples are its first microbatches, in plan order
+        for s in plan.splits:
+            spent = math.fsum(mbc[r][seen[r]] for r in s.ranks)
+            for r in s.ranks:
+                seen[r] += 1
+            split_overhead += spent - float(alone[s.index])
     return StepResult(
         planner=name,
         busy=np.array([math.fsum(r) for r in mbc]),
@@ -101,6 +118,7 @@ def run_plan(name: str, plan: Plan, lengths: Sequence[int], machine: Machine) ->
         tokens=tokens,
         sq_tokens=sq_tokens,
         splits=plan.splits,
+        split_overhead=split_overhead,
     )
 
 
@@ -235,11 +253,16 @@ def simulate(
     for p in planners:
         wall = sum(r.step_time for r in runs[p])
         busy = sum(float(r.busy.sum()) for r in runs[p])
+        overhead = sum(r.split_overhead for r in runs[p])
         all_mbs = np.concatenate([r.num_microbatches for r in runs[p]])
         summary[p] = {
             "sync": get_planner(p).runtime,
             "plan_cost": plan_cost,
             "bubble_rate": max(0.0, 1.0 - busy / (ranks * wall)) if wall > 0 else 0.0,  # >= 0 but for rounding
+            "work_bubble_rate": max(0.0, 1.0 - (busy - overhead) / (ranks * wall)) if wall > 0 else 0.0,
+            "split_overhead_per_rank": overhead / (ranks * steps),
+            "split_samples_per_step": sum(len(r.splits) for r in runs[p]) / steps,
+            "split_shapes": _shape_counts(runs[p]),
             "step_time": wall / steps,
             "busy_time_per_rank": busy / (ranks * steps),
             "speedup_vs_local_sort": base / wall if base and wall > 0 else None,
@@ -256,6 +279,15 @@ def simulate(
     if keep_steps:
         summary["_steps"] = history  # not JSON: for plotting
     return summary
+
+
+def _shape_counts(results: list[StepResult]) -> dict[str, int]:
+    """How often each group shape was used, ``{"UxR": count}``, ordered by group size then Ulysses size."""
+    counts: dict[tuple[int, int], int] = {}
+    for r in results:
+        for s in r.splits:
+            counts[(s.size, s.ulysses)] = counts.get((s.size, s.ulysses), 0) + 1
+    return {f"{u}x{g // u}": n for (g, u), n in sorted(counts.items())}
 
 
 def _convergence(auto: list[StepResult], oracle: list[StepResult], fit: AutoCost, machine: Machine) -> dict:
@@ -458,10 +490,11 @@ def _print_table(summary: dict, args: argparse.Namespace, seconds: float) -> Non
           f"overhead={args.microbatch_overhead:g} plans={args.plan_cost} steps={args.steps} seed={args.seed} "
           f"({seconds:.1f} s)")
     auto = args.plan_cost == "auto"
-    print(f"{'planner':<11} {'sync':<10} {'bubble':>7} {'step time':>12} {'speedup':>8} {'mb/rank':>12}"
-          + (f" {'oracle step':>12} {'within 2% from step':>20}" if auto else ""))
+    print(f"{'planner':<11} {'sync':<10} {'bubble':>7} {'work bubble':>11} {'step time':>12} {'speedup':>8} "
+          f"{'mb/rank':>12}" + (f" {'oracle step':>12} {'within 2% from step':>20}" if auto else ""))
     for p, s in summary.items():
-        line = (f"{p:<11} {s['sync']:<10} {s['bubble_rate']:>7.2%} {s['step_time']:>12.4g} "
+        line = (f"{p:<11} {s['sync']:<10} {s['bubble_rate']:>7.2%} {s['work_bubble_rate']:>11.2%} "
+                f"{s['step_time']:>12.4g} "
                 f"{s['speedup_vs_local_sort'] or 0:>7.3f}x {s['microbatches_per_rank_mean']:>5.2f} "
                 f"[{s['microbatches_per_rank_min']}-{s['microbatches_per_rank_max']}]")
         if auto:
@@ -475,8 +508,14 @@ def _print_table(summary: dict, args: argparse.Namespace, seconds: float) -> Non
               f"(truth a={t['a']:.4g} b={t['b']:.4g} c={t['c']:.4g}; fit of the {next(iter(summary))} run)")
     print(f"balance bound: step time {any_s['balance_bound_step_time']:.4g} "
           f"(bubble {any_s['balance_bound_bubble_rate']:.2%}); in {any_s['steps_with_dominant_sample']} of "
-          f"{args.steps} steps one sample costs more than the fair share total/R, so no minibatch planner can "
-          "balance those steps fully")
+          f"{args.steps} steps one sample costs more than the fair share total/R, so no planner that trains every "
+          "sample whole can balance those steps fully")
+    for p, s in summary.items():
+        if s["split_shapes"]:
+            shapes = ", ".join(f"{k}: {n}" for k, n in s["split_shapes"].items())
+            print(f"{p}: {s['split_samples_per_step']:.1f} split samples per step; groups (Ulysses x ring: count) "
+                  f"{shapes}; split overhead {s['split_overhead_per_rank']:.4g} per rank and step (busy in the "
+                  "bubble, idle in the work bubble)")
     if any_s["truncated_samples"]:
         print(f"{any_s['truncated_samples']} samples longer than --max-tokens were truncated ({args.oversize})")
 
