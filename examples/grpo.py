@@ -58,6 +58,8 @@ def parse_args():
     p.add_argument("--residency", default="auto", choices=["auto", "full", "block"],
                    help="generation: keep the read parameters for the whole generate call (full) or read per block")
     p.add_argument("--output-dir", default="runs/grpo")
+    p.add_argument("--shared-gpu", action="store_true",
+                   help="every rank on one GPU (torch.distributed over gloo): several ranks on a one-GPU machine, for correctness, not speed")
     p.add_argument("--local_rank", type=int, default=None)
     return p.parse_args()
 
@@ -104,7 +106,7 @@ def main():
     for key in ("max_new_tokens", "per_device_batch", "num_generations", "grad_accum"):
         if getattr(args, key) is None:
             setattr(args, key, preset[key])
-    init_distributed()
+    init_distributed(shared_gpu=args.shared_gpu or None)
     from transformers import AutoTokenizer
     from trl import GRPOConfig
 

@@ -45,6 +45,8 @@ def parse_args():
     p.add_argument("--save-steps", type=int, default=0, help="checkpoint every N steps (0: no checkpoints)")
     p.add_argument("--resume", action="store_true", help="resume from the last checkpoint in --output-dir")
     p.add_argument("--logging-steps", type=int, default=1)
+    p.add_argument("--shared-gpu", action="store_true",
+                   help="every rank on one GPU (torch.distributed over gloo): several ranks on a one-GPU machine, for correctness, not speed")
     p.add_argument("--local_rank", type=int, default=None)  # the deepspeed launcher passes it
     return p.parse_args()
 
@@ -74,7 +76,7 @@ def ds_config(odc: bool, bf16: bool) -> dict:
 def main():
     args = parse_args()
     # Before TrainingArguments: then HF's zero.Init sees the real world size (on CPU nothing else would set it).
-    init_distributed()
+    init_distributed(shared_gpu=args.shared_gpu or None)
     from transformers import AutoModelForCausalLM, LlamaConfig, Trainer, TrainingArguments
 
     from ds_odc.training.collate import PackedCollator

@@ -60,7 +60,7 @@ def build_model(args, ds_config: dict, device: torch.device):
 def main(argv=None):
     args = parse_args(argv)
     restrict_sdpa_backends(args.sdpa_backends)
-    init_distributed()
+    init_distributed(shared_gpu=args.shared_gpu or None)
     train(args)
     shutdown_and_exit()
 

@@ -34,6 +34,8 @@ def parse_args():
     p.add_argument("--max-tokens", type=int, default=512, help="token budget per microbatch")
     p.add_argument("--num-samples", type=int, default=256)
     p.add_argument("--output-dir", default="runs/trl_sft")
+    p.add_argument("--shared-gpu", action="store_true",
+                   help="every rank on one GPU (torch.distributed over gloo): several ranks on a one-GPU machine, for correctness, not speed")
     p.add_argument("--local_rank", type=int, default=None)
     return p.parse_args()
 
@@ -72,7 +74,7 @@ def make_trainer_class():
 
 def main():
     args = parse_args()
-    init_distributed()
+    init_distributed(shared_gpu=args.shared_gpu or None)
     from transformers import LlamaConfig, LlamaForCausalLM
     from trl import SFTConfig, SFTTrainer
 

@@ -116,7 +116,25 @@ def nvshmem_problems() -> list[str]:
 def transports() -> list[Check]:
     problems = nvshmem_problems()
     nvshmem = Check("nvshmem (CUDA ranks)", not problems, "\n".join(problems) or "can be built and run")
-    return [shm_check(), nvshmem]
+    return [shm_check(), nvshmem, shared_gpu_check(problems)]
+
+
+def shared_gpu_check(nvshmem_problems: list[str]) -> Check:
+    """Whether several ranks sharing one GPU is on (DS_ODC_SHARED_GPU) and whether it could run here."""
+    import torch
+
+    from ds_odc.training.distributed import SHARED_GPU_ENV, shared_gpu_mode
+    name = "shared GPU (ranks on one GPU)"
+    if not torch.cuda.is_available():
+        state = "ON, but no CUDA device is visible: " if shared_gpu_mode() else "off; "
+        return Check(name, False if shared_gpu_mode() else None, f"{state}needs a CUDA GPU (CPU ranks need no such mode)")
+    how = ("every rank on GPU 0, torch.distributed over gloo, one NVSHMEM PE per process; checks correctness only, "
+           "the ranks share the GPU's SMs")
+    if shared_gpu_mode():
+        return Check(name, not nvshmem_problems, f"ON ({SHARED_GPU_ENV}=1): {how}" +
+                     ("" if not nvshmem_problems else "; ODC's transport cannot run here (see above)"))
+    return Check(name, None, f"off; init_distributed(shared_gpu=True), --shared-gpu in the examples or "
+                             f"{SHARED_GPU_ENV}=1 puts {how}")
 
 
 def odc_key_check() -> Check:

@@ -4,11 +4,15 @@ ODC's ranks meet only at the optimizer step (and when a write outside the step m
 must fail loudly instead of hanging. Waiting is gloo's ``monitored_barrier`` (it also notices a dead peer's closed
 connection at once); *who* is missing comes from an arrival count each rank posts in a small key-value store hosted
 by the group's first rank before it waits, so the error names ranks exactly rather than from gloo's message text.
+A meeting that lasts a while reads those counts now and then as it waits: when the first rank, having found a rank
+missing, raises and exits, the store goes with it, and the others must still name the rank that never came, not
+the one that left last.
 """
 
 from __future__ import annotations
 
 import os
+import threading
 from datetime import timedelta
 
 import torch.distributed as dist
@@ -16,6 +20,8 @@ import torch.distributed as dist
 from ds_odc.ops.transport import FenceTimeout
 
 _STORE_REPLY_S = 5.0  # how long the post-mortem may wait for the store when a meeting has already failed
+_WATCH_AFTER_S = 1.0  # a meeting still waiting after this long starts reading who has arrived
+_WATCH_EVERY_S = 0.5
 
 
 def control_group(process_group=None):
@@ -74,26 +80,62 @@ class Meeting:
         timeout = self.timeout_s if timeout_s is None else timeout_s
         if self.store is not None:
             self.store.set(self._key(self.rank), str(self.arrivals))
+        watch = _Watch(self) if self.store is not None else None
         try:
             dist.monitored_barrier(group=self.group, timeout=timedelta(seconds=timeout), wait_all_ranks=True)
         except RuntimeError as err:
-            missing = self.missing()
+            seen = watch.stop() if watch is not None else None
+            missing = self.missing(seen)
             who = f"ranks {missing} did not arrive" if missing else "a peer did not arrive or died"
             raise FenceTimeout(
                 f"ds_odc: rank {self.rank}: {what} did not complete within {timeout:g} s: {who}. Look at the logs of "
                 f"those ranks; if their minibatch is legitimately longer, raise zero_optimization.odc.timeout_s. "
                 f"(backend said: {str(err).strip()[:300]})", missing) from err
+        if watch is not None:
+            watch.stop()
 
-    def missing(self) -> list[int]:
-        """Ranks whose posted arrival count is behind this rank's (empty when that cannot be told)."""
+    def counts(self, reply_s: float | None = None) -> dict[int, int]:
+        """Every rank's posted arrival count (raises if the store does not answer)."""
+        if reply_s is not None:
+            self.store.set_timeout(timedelta(seconds=reply_s))
+        return {r: int(self.store.get(self._key(r))) for r in range(self.world_size)}
+
+    def missing(self, seen: dict[int, int] | None = None) -> list[int]:
+        """Ranks whose posted arrival count is behind this rank's (empty when that cannot be told). When the store
+        no longer answers, the counts ``seen`` while waiting tell; without them, the store's host is named."""
         if self.store is None:
             return []
-        behind = []
         try:
-            self.store.set_timeout(timedelta(seconds=_STORE_REPLY_S))
-            for r in range(self.world_size):
-                if r != self.rank and int(self.store.get(self._key(r))) < self.arrivals:
-                    behind.append(r)
-        except Exception:  # noqa: BLE001 - the store's host may be the rank that died
-            return [0] if self.rank != 0 else []
-        return behind
+            counts = self.counts(reply_s=_STORE_REPLY_S)
+        except Exception:  # noqa: BLE001 - the store's host may be the rank that died, or left after failing
+            if seen is None:
+                return [0] if self.rank != 0 else []
+            counts = seen
+        return [r for r in range(self.world_size) if r != self.rank and counts.get(r, 0) < self.arrivals]
+
+
+class _Watch:
+    """Reads the arrival counts in the background while a meeting waits (after a short grace period), so that its
+    post-mortem survives the store's host leaving."""
+
+    def __init__(self, meeting: Meeting):
+        self.meeting = meeting
+        self.seen: dict[int, int] | None = None
+        self.done = threading.Event()
+        self.thread = threading.Thread(target=self._run, name="ds_odc-meeting-watch", daemon=True)
+        self.thread.start()
+
+    def _run(self) -> None:
+        if self.done.wait(_WATCH_AFTER_S):
+            return
+        while not self.done.is_set():
+            try:
+                self.seen = self.meeting.counts()
+            except Exception:  # noqa: BLE001 - the host is gone: keep the last counts read
+                return
+            self.done.wait(_WATCH_EVERY_S)
+
+    def stop(self) -> dict[int, int] | None:
+        self.done.set()
+        self.thread.join(timeout=_STORE_REPLY_S)
+        return self.seen

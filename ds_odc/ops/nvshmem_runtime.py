@@ -15,6 +15,8 @@ one runtime per process; nvshmem4py and our extension both talk to it. Bring-up:
 
 from __future__ import annotations
 
+import atexit
+import glob
 import os
 from dataclasses import dataclass
 
@@ -149,4 +151,16 @@ def ensure_runtime(control_group, heap_bytes: int, bootstrap: str = "auto") -> R
         raise OdcError(f"ds_odc: NVSHMEM PE {my_pe}/{n_pes} is not torch.distributed rank "
                        f"{dist.get_rank()}/{dist.get_world_size()}; launch one process per GPU with the same ranks.")
     _RUNTIME = Runtime(lib, my_pe, n_pes, how)
+    atexit.register(remove_cuda_shm_files)
     return _RUNTIME
+
+
+def remove_cuda_shm_files() -> None:
+    """Remove this process's ``/dev/shm/cuda.shm.<device>.<pid in hex>.<n>``: the CUDA driver creates one for every
+    process whose GPU memory peers map (NVSHMEM's peer access), and leaves it behind when the process exits (seen on
+    H200 hosts with CUDA 13), so each training process would leave one file per run."""
+    for path in glob.glob(f"/dev/shm/cuda.shm.*.{os.getpid():x}.*"):
+        try:
+            os.unlink(path)
+        except OSError:
+            pass

@@ -76,6 +76,8 @@ def sft_argument_parser(description: str | None = None, deepspeed_config: bool =
     p.add_argument("--profile-dir", default="profile", help="where --profile-step writes its files")
     p.add_argument("--timeline", help="draw per-rank busy/wait bars of the last steps to this PNG")
     p.add_argument("--quiet", action="store_true", help="no progress bar and no summary lines")
+    p.add_argument("--shared-gpu", action="store_true",
+                   help="every rank on one GPU (torch.distributed over gloo): several ranks on a one-GPU machine, for correctness, not speed")
     p.add_argument("--local_rank", type=int, default=None)  # the deepspeed launcher passes it
     return p
 

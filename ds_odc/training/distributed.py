@@ -9,6 +9,13 @@ line::
     init_distributed()
     ...  # deepspeed.initialize, training
     shutdown_and_exit()
+
+**Several ranks on one GPU** (``init_distributed(shared_gpu=True)``, or ``DS_ODC_SHARED_GPU=1`` in the environment,
+which is how a launcher passes it to every rank): every rank trains on the same GPU, ``torch.distributed`` runs over
+gloo (NCCL refuses two ranks on one device) and ODC's NVSHMEM transport makes each process its own PE. For trying a
+config or testing multi-rank code on a one-GPU machine; the ranks share the GPU's SMs and gloo stages collectives
+through host memory, so it says nothing about speed. In this mode ``LOCAL_RANK`` reads ``0`` on every rank: it is the
+GPU index that DeepSpeed, Accelerate and most scripts derive the device from.
 """
 
 from __future__ import annotations
@@ -19,8 +26,16 @@ import sys
 import warnings
 from datetime import timedelta
 
+__all__ = ["SHARED_GPU_ENV", "init_distributed", "runs_on_cpu", "shared_gpu_mode", "shutdown", "shutdown_and_exit",
+           "training_device"]
+
 DEFAULT_CPU_TIMEOUT_S = 300.0
 TORCH_DEPRECATIONS_CALLED_BY_DEEPSPEED = ("all_gather_into_tensor", "reduce_scatter_tensor")
+SHARED_GPU_ENV = "DS_ODC_SHARED_GPU"
+"""``1``: every rank of the job shares one GPU (see the module docstring). Set by ``init_distributed(shared_gpu=True)``
+for the rest of the process; a launcher can set it for every rank instead."""
+_LAUNCHER_LOCAL_RANK_ENV = "DS_ODC_LAUNCHER_LOCAL_RANK"  # the launcher's LOCAL_RANK, kept when shared mode sets 0
+_MPI_LAUNCH_ENV = ("OMPI_COMM_WORLD_SIZE", "PMI_SIZE", "PMIX_RANK", "MV2_COMM_WORLD_SIZE")
 
 
 def runs_on_cpu() -> bool:
@@ -29,12 +44,44 @@ def runs_on_cpu() -> bool:
     return os.environ.get("DS_ACCELERATOR") == "cpu" or not torch.cuda.is_available()
 
 
-def init_distributed(timeout_s: float | None = None) -> None:
+def shared_gpu_mode() -> bool:
+    """True when the ranks of this job share one GPU (``DS_ODC_SHARED_GPU=1``)."""
+    return os.environ.get(SHARED_GPU_ENV, "").strip().lower() in ("1", "true", "yes", "on")
+
+
+def training_device():
+    """The device this rank trains on: the CPU, the one shared GPU (``cuda:0``), or the GPU named by ``LOCAL_RANK``."""
+    import torch
+    if runs_on_cpu():
+        return torch.device("cpu")
+    return torch.device("cuda", 0 if shared_gpu_mode() else int(os.environ.get("LOCAL_RANK", 0)))
+
+
+def _share_one_gpu() -> None:
+    """Put every rank on GPU 0, or say why that cannot work here."""
+    import torch
+    if os.environ.get("DS_ACCELERATOR") == "cpu" or not torch.cuda.is_available():
+        raise RuntimeError("ds_odc: shared_gpu=True (DS_ODC_SHARED_GPU=1) needs a CUDA GPU, and this process sees none"
+                           + (" (DS_ACCELERATOR=cpu)" if os.environ.get("DS_ACCELERATOR") == "cpu" else "") +
+                           ". CPU ranks share the host without it: drop the option.")
+    if any(k in os.environ for k in _MPI_LAUNCH_ENV):
+        raise RuntimeError("ds_odc: shared_gpu=True is not supported under mpirun: DeepSpeed takes each rank's GPU from "
+                           "the MPI local rank there. Launch with torchrun or the deepspeed launcher.")
+    os.environ.setdefault(_LAUNCHER_LOCAL_RANK_ENV, os.environ.get("LOCAL_RANK", "0"))
+    os.environ["LOCAL_RANK"] = "0"
+    os.environ[SHARED_GPU_ENV] = "1"  # for the rest of this process (ODC's checks, the report) and its children
+
+
+def init_distributed(timeout_s: float | None = None, *, shared_gpu: bool | None = None) -> None:
     """Initialise ``torch.distributed`` through DeepSpeed: gloo on CPU, DeepSpeed's choice (NCCL) on CUDA.
 
     ``timeout_s``: how long a collective may wait for the other ranks before it raises, which turns a rank that
-    never arrives into an error instead of a hang. When None: 300 s on CPU, DeepSpeed's default (30 minutes) on
-    CUDA, where a first step that compiles kernels or a large checkpoint save may legitimately take minutes.
+    never arrives into an error instead of a hang. When None: 300 s on CPU and on a shared GPU, DeepSpeed's default
+    (30 minutes) on CUDA, where a first step that compiles kernels or a large checkpoint save may legitimately take
+    minutes.
+
+    ``shared_gpu``: run every rank on one GPU (see the module docstring); None reads ``DS_ODC_SHARED_GPU``. Raises
+    where that cannot work: no CUDA device, or a job started by ``mpirun``.
 
     On CPU this skips DeepSpeed's build of its shared-memory communication op, a 40-65 s g++ compile on first use
     that only ``inference_all_reduce`` needs (never ZeRO training). On CUDA each rank selects the GPU named by
@@ -49,8 +96,13 @@ def init_distributed(timeout_s: float | None = None) -> None:
     import deepspeed
     import torch
 
+    sharing = shared_gpu_mode() if shared_gpu is None else shared_gpu
+    if sharing:
+        _share_one_gpu()
+    else:
+        os.environ.pop(SHARED_GPU_ENV, None)
     on_cpu = runs_on_cpu()
-    if timeout_s is None and on_cpu:
+    if timeout_s is None and (on_cpu or sharing):
         timeout_s = DEFAULT_CPU_TIMEOUT_S
     kwargs = {} if timeout_s is None else {"timeout": timedelta(seconds=timeout_s)}
     if "MASTER_PORT" in os.environ:
@@ -60,6 +112,11 @@ def init_distributed(timeout_s: float | None = None) -> None:
     if on_cpu:
         from ds_odc.zero._deepspeed_privates import skip_cpu_shm_op_build
         skip_cpu_shm_op_build()
+        deepspeed.init_distributed(dist_backend="gloo", **kwargs)
+    elif sharing:
+        torch.cuda.set_device(0)
+        # torch.distributed first, without binding a device (DeepSpeed would pass device_id for NCCL's sake).
+        torch.distributed.init_process_group("gloo", timeout=kwargs["timeout"])
         deepspeed.init_distributed(dist_backend="gloo", **kwargs)
     else:
         torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", 0)))
@@ -81,10 +138,13 @@ def shutdown_and_exit(exit_code: int = 0) -> None:
     interpreter at exit ("terminate called without an active exception", SIGABRT; about 1 run in 10 on CPU),
     which would make a finished job look failed. Output is flushed and the group is gone by then. Under ``mpirun``
     MPI is finalized first: that is what removes MPICH's ``/dev/shm/mpich_shm_*`` segment, and the hard exit skips
-    the ``atexit`` hook in which mpi4py would otherwise do it.
+    the ``atexit`` hook in which mpi4py would otherwise do it; likewise the CUDA driver's ``/dev/shm/cuda.shm.*`` file
+    of a process that used the NVSHMEM transport is removed.
     """
     shutdown()
     _finalize_mpi()
+    if "ds_odc.ops.nvshmem_runtime" in sys.modules:  # the hard exit skips the atexit hook that removes its file
+        sys.modules["ds_odc.ops.nvshmem_runtime"].remove_cuda_shm_files()
     faulthandler.cancel_dump_traceback_later()
     sys.stdout.flush()
     sys.stderr.flush()

@@ -102,6 +102,7 @@ class OdcState:
         self.open = False  # this rank pushed or declared its boundary since the last publish
         self.settled = False  # every push of this minibatch so far has landed (a fence ran since the last push)
         self.overwrite = False  # zero_grad() ran: the next push replaces the landed gradients instead of adding
+        self.held = False  # gradients were completed early: nobody pushes again until every rank has met once more
         self._fetch_plans: dict[tuple[int, ...], FetchPlan] = {}
         self._push_plans: dict[tuple[int, ...], ScatterPlan] = {}
 
@@ -216,8 +217,8 @@ class OdcState:
     def push(self, params: Sequence[torch.nn.Parameter]) -> None:
         """Add every parameter's gradient, slice by slice, into its owners' accumulators, averaged over the ranks (as
         the reduce-scatter it replaces)."""
-        if self.overwrite:
-            self._empty_before_pushing()
+        if self.held:
+            self._release_pushes()
         key = tuple(p.ds_id for p in params)
         plan = self._push_plans.get(key)
         if plan is None:
@@ -247,7 +248,7 @@ class OdcState:
         started = time.perf_counter()
         self.transport.barrier("the barrier after the optimizer step")
         self.wait_s += time.perf_counter() - started
-        self.open = self.settled = self.in_step = self.overwrite = False
+        self.open = self.settled = self.in_step = self.overwrite = self.held = False
         self.published = True
 
     def start_step(self) -> None:
@@ -273,10 +274,10 @@ class OdcState:
                            "may run different numbers of microbatches, so the gradients of this minibatch exist only "
                            "once every rank has reached its boundary. Do it on every rank after "
                            "set_gradient_accumulation_boundary(True) and the last backward, or after engine.step().")
-        what = f"completing this minibatch's gradients early for {why} (every rank must do it)"
-        self.fence(what)
-        # Meet once more: a peer past the fence must not push its next microbatch into slots this rank still drains.
-        self.transport.barrier(what)
+        self.fence(f"completing this minibatch's gradients early for {why} (every rank must do it)")
+        # The caller reads or writes the gradients after this returns; a fast peer's next microbatch must not land
+        # in them meanwhile (on a GPU pushes add straight into the accumulator), so pushes wait for one more meeting.
+        self.held = True
 
     def discard(self, why: str) -> None:
         """``optimizer.zero_grad()`` before the step, on every rank: as stock, the gradients so far stay readable (and
@@ -285,14 +286,17 @@ class OdcState:
         if not self.open or self.in_step:
             return
         self.settle(why)
-        self.overwrite = True
+        self.overwrite = self.held = True
 
-    def _empty_before_pushing(self) -> None:
-        """The first push after ``discard``: empty this rank's accumulator, then meet, so that no peer's push of the
-        new microbatch lands in an accumulator before its owner emptied it."""
-        self.transport.zero_([self.accumulator])
-        self.transport.barrier("emptying the gradients dropped by optimizer.zero_grad() (every rank must do it)")
-        self.overwrite = False
+    def _release_pushes(self) -> None:
+        """The first push after gradients were completed early (``settle``) or dropped (``discard``): empty the
+        accumulator if they were dropped, then meet, so that no peer's push of the next microbatch lands before every
+        rank is done with the gradients so far (read, written, or emptied)."""
+        if self.overwrite:
+            self.transport.zero_([self.accumulator])
+        self.transport.barrier("the first gradient push after gradients were read, written or dropped before the "
+                               "step (every rank must do it)")
+        self.overwrite = self.held = False
 
     def publish_writes(self, why: str) -> None:
         """Shards were written outside the step (on every rank): meet, so peers read the new values."""

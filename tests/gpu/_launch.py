@@ -1,7 +1,9 @@
-"""Run a script on several local GPUs with torchrun, under a hard timeout, and collect what each rank reported.
+"""Run a script on several local GPU ranks with torchrun, under a hard timeout, and collect what each rank reported.
 
-Workers write ``rank<N>.json`` into the folder passed as ``--out``; a worker that hangs is killed with its whole
-process group, so one stuck collective cannot stall the test session.
+Ranks get a GPU each when there are enough, and share GPU 0 otherwise (``DS_ODC_SHARED_GPU=1``: torch.distributed
+over gloo, one NVSHMEM PE per process): :func:`rank_params` makes the test ids say which ("2ranks-shared",
+"2ranks-2gpus"). Workers write ``rank<N>.json`` into the folder passed as ``--out``; a worker that hangs is killed
+with its whole process group, so one stuck collective cannot stall the test session.
 """
 
 from __future__ import annotations
@@ -12,6 +14,7 @@ import signal
 import subprocess
 import sys
 import tempfile
+import time
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -28,8 +31,59 @@ def gpu_count() -> int:
 
 
 def needs_gpus(n: int):
-    """Skip unless ``n`` CUDA GPUs are visible."""
+    """Skip unless ``n`` CUDA GPUs are visible (for what several ranks sharing one GPU cannot show)."""
     return pytest.mark.skipif(gpu_count() < n, reason=f"needs {n} CUDA GPUs (found {gpu_count()})")
+
+
+# NVSHMEM bring-up of two jobs starting at the same moment on one GPU sometimes fails in NVSHMEM's init (seen with
+# pytest -n: "mapping of buffer object failed", "cuMemCreate failed"); such a launch is repeated once, with a warning.
+BRINGUP_COLLISION = ("mapping of buffer object failed", "cuMemCreate failed")
+
+
+def bringup_collided(log: str) -> bool:
+    return any(sign in log for sign in BRINGUP_COLLISION)
+
+
+def retried(run, log_of, what: str):
+    """Run ``run()``; if its log shows an NVSHMEM bring-up collision, warn and run it once more."""
+    first = run()
+    if not bringup_collided(log_of(first)):
+        return first
+    import warnings
+    warnings.warn(f"NVSHMEM bring-up of {what} collided with a concurrent job; launched again")
+    return run()
+
+
+def launch_gpu(script, nproc: int, args=(), timeout: float = 420, env: dict | None = None):
+    """``_support.launch.launch`` for GPU ranks (:func:`gpu_env`), repeated once after a bring-up collision."""
+    from _support.launch import launch
+    return retried(lambda: launch(script, nproc, list(args), timeout=timeout, env={**gpu_env(nproc), **(env or {})}),
+                   lambda r: r.stdout + r.stderr, f"{Path(script).name} at {nproc} ranks")
+
+
+def placement(nproc: int) -> str:
+    """How ``nproc`` ranks run on this machine: "<n>gpus" (one GPU each), "shared" (all on GPU 0), or "none"."""
+    if gpu_count() == 0:
+        return "none"
+    return f"{nproc}gpus" if gpu_count() >= nproc and nproc > 1 else ("1gpu" if nproc == 1 else "shared")
+
+
+def rank_params(*counts: int, group: str | None = None) -> list:
+    """``pytest.param(n)`` for each rank count, with an id that says where the ranks run; skipped without a GPU.
+    ``group``: tests that read one cached launch stay on one worker under ``pytest -n N --dist loadgroup``."""
+    def marks(n):
+        skip = pytest.mark.skipif(gpu_count() == 0, reason="needs a CUDA GPU")
+        return [skip, pytest.mark.xdist_group(f"{group}-{n}")] if group else [skip]
+    return [pytest.param(n, id=f"{n}ranks-{placement(n)}", marks=marks(n)) for n in counts]
+
+
+def gpu_env(nproc: int) -> dict[str, str]:
+    """The environment of GPU ranks: CUDA for DeepSpeed and the test workers, multicast off, and the shared-GPU
+    switch when there are fewer GPUs than ranks."""
+    env = {"ODC_TEST_CUDA": "1", "DS_ACCELERATOR": "cuda", **NO_MULTICAST}
+    if placement(nproc) == "shared":
+        env["DS_ODC_SHARED_GPU"] = "1"
+    return env
 
 
 def _free_port() -> int:
@@ -52,8 +106,17 @@ class RankRun:
 
 def run_ranks(script: Path, args: list[str], nproc: int = 2, timeout_s: float = 240.0,
               env: dict[str, str] | None = None, launcher: str = "torchrun") -> RankRun:
-    """``launcher``: "torchrun", or "mpirun" (ranks get RANK/WORLD_SIZE from MPI's own variables)."""
-    out = tempfile.mkdtemp(prefix="ds_odc_gpu_")
+    """``launcher``: "torchrun", or "mpirun" (ranks get RANK/WORLD_SIZE from MPI's own variables). The ranks share a
+    GPU when there are fewer GPUs than ranks (:func:`gpu_env`)."""
+    env = {**gpu_env(nproc), **(env or {})}
+
+    def run():
+        with tempfile.TemporaryDirectory(prefix="ds_odc_gpu_") as out:
+            return _run_ranks(script, args, nproc, timeout_s, env, launcher, out)
+    return retried(run, lambda r: r.log, f"{Path(script).name} at {nproc} ranks")
+
+
+def _run_ranks(script, args, nproc, timeout_s, env, launcher, out) -> RankRun:
     if launcher == "torchrun":
         # --standalone lets the rendezvous pick its own free port (choosing one here races with other launches)
         cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={nproc}"]
@@ -84,3 +147,56 @@ def run_ranks(script: Path, args: list[str], nproc: int = 2, timeout_s: float = 
     for path in Path(out).glob("rank*.json"):
         results[int(path.stem[4:])] = json.loads(path.read_text())
     return RankRun(code, results, log)
+
+
+@dataclass
+class PlainRun:
+    """N processes started without an agent (nobody tears the others down when one dies)."""
+
+    results: list[dict]  # every result line any rank printed
+    codes: dict[int, int | None]  # rank -> exit status (None: still running at the deadline, then killed)
+    pids: dict[int, int]
+    log: str
+
+
+def run_plain_ranks(script: Path, args: list[str], nproc: int, deadline_s: float, env: dict | None = None,
+                    wait_for: set[int] | None = None) -> PlainRun:
+    """Start ``nproc`` ranks as independent processes (RANK, WORLD_SIZE, LOCAL_RANK, MASTER_ADDR/PORT set), wait up
+    to ``deadline_s`` for the ranks in ``wait_for`` (default all), then SIGKILL whatever still runs."""
+    return retried(lambda: _run_plain_ranks(script, args, nproc, deadline_s, env, wait_for), lambda r: r.log,
+                   f"{Path(script).name} at {nproc} ranks")
+
+
+def _run_plain_ranks(script, args, nproc, deadline_s, env, wait_for) -> PlainRun:
+    from _support.launch import RESULT_PREFIX, cpu_env  # tests/ is on sys.path too
+    base = cpu_env({**gpu_env(nproc), **(env or {})})
+    base.update({"WORLD_SIZE": str(nproc), "MASTER_PORT": str(_free_port()), "ODC_TEST_DEADLINE_S": str(deadline_s)})
+    procs, logs = {}, {}
+    with tempfile.TemporaryDirectory(prefix="ds_odc_plain_") as folder:
+        for rank in range(nproc):
+            logs[rank] = open(Path(folder) / f"rank{rank}.log", "w+")
+            procs[rank] = subprocess.Popen([sys.executable, str(script), *map(str, args)], stdout=logs[rank],
+                                           stderr=subprocess.STDOUT, text=True, start_new_session=True,
+                                           env=dict(base, RANK=str(rank), LOCAL_RANK=str(rank),
+                                                    LOCAL_WORLD_SIZE=str(nproc)))
+        end = time.monotonic() + deadline_s
+        codes: dict[int, int | None] = {}
+        for rank in sorted(wait_for if wait_for is not None else procs):
+            try:
+                codes[rank] = procs[rank].wait(timeout=max(0.1, end - time.monotonic()))
+            except subprocess.TimeoutExpired:
+                codes[rank] = None
+        for rank, proc in procs.items():
+            if proc.poll() is None:
+                os.killpg(proc.pid, signal.SIGKILL)
+                proc.wait()
+                codes.setdefault(rank, None)
+            else:
+                codes.setdefault(rank, proc.returncode)
+        text = ""
+        for rank in sorted(logs):
+            logs[rank].seek(0)
+            text += f"--- rank {rank} (exit {codes[rank]}) ---\n" + logs[rank].read()
+            logs[rank].close()
+    results = [json.loads(line[len(RESULT_PREFIX):]) for line in text.splitlines() if line.startswith(RESULT_PREFIX)]
+    return PlainRun(results, codes, {r: p.pid for r, p in procs.items()}, text)

@@ -13,3 +13,11 @@ def nvshmem_op():
         pytest.skip("needs CUDA")
     from ds_odc.ops.builder import load_op
     return load_op(verbose=True)
+
+
+@pytest.fixture(autouse=True)
+def _release_cached_gpu_memory():
+    """Tests in this process (kernel checks) must not keep GPU memory cached while other tests' ranks need it."""
+    yield
+    if torch.cuda.is_available() and torch.cuda.is_initialized():
+        torch.cuda.empty_cache()

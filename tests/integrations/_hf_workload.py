@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import os
+
 import torch
 
 VOCAB = 256
@@ -40,7 +42,8 @@ def training_args(output_dir: str, odc: bool, **overrides):
     from transformers import TrainingArguments
     kwargs = dict(output_dir=output_dir, per_device_train_batch_size=2, gradient_accumulation_steps=2, max_steps=4,
                   learning_rate=1e-3, lr_scheduler_type="constant", warmup_steps=0, weight_decay=0.0,
-                  max_grad_norm=1.0, logging_steps=1, save_strategy="no", report_to=[], use_cpu=True,
+                  max_grad_norm=1.0, logging_steps=1, save_strategy="no", report_to=[],
+                  use_cpu=os.environ.get("ODC_TEST_CUDA") != "1",
                   optim="adamw_torch", deepspeed=ds_config(odc), seed=0, disable_tqdm=True,
                   dataloader_num_workers=0, dataloader_pin_memory=False)
     kwargs.update(overrides)

@@ -15,12 +15,13 @@ import sys
 import torch
 
 import ds_odc  # noqa: F401  (installs the odc config key before any engine is built)
-from _support.launch import emit, expect_error, init_test_ranks
+from _support.launch import emit, expect_error
 from ds_odc.training.distributed import shutdown_and_exit
 
 HERE = os.path.dirname(__file__)
 sys.path.insert(0, HERE)
 sys.path.insert(0, os.path.join(HERE, "..", "zero"))
+import _workload  # noqa: E402
 import worker as zero_worker  # noqa: E402
 from _rl_workload import prompt_batch, tiny_qwen2  # noqa: E402
 from _workload import ds_config, full_params, max_rel_diff, reference_run  # noqa: E402
@@ -48,7 +49,7 @@ def generate_round(engine, reference, plan, rank, residency):
     out = {"mismatch": [], "forwards": 0, "new_tokens": []}
     if not plan["lengths"]:
         return out
-    batch = prompt_batch(plan["lengths"], plan["seed"])
+    batch = {k: v.to(_workload.DEVICE) for k, v in prompt_batch(plan["lengths"], plan["seed"]).items()}
     greedy = dict(max_new_tokens=plan["new_tokens"], do_sample=False, pad_token_id=0)
     with torch.no_grad():
         probe = reference.generate(**batch, **greedy)
@@ -92,7 +93,8 @@ def error_checks(engine, stock_engine) -> dict:
 
     def synced():
         with lockstep_free(engine, residency="block") as model:
-            model.generate(**prompt_batch([3], 0), max_new_tokens=1, synced_gpus=True)
+            batch = {k: v.to(_workload.DEVICE) for k, v in prompt_batch([3], 0).items()}
+            model.generate(**batch, max_new_tokens=1, synced_gpus=True)
 
     def stock():
         with lockstep_free(stock_engine):
@@ -110,14 +112,14 @@ def error_checks(engine, stock_engine) -> dict:
 
 def main():
     zero_worker.count_collectives()
-    init_test_ranks(timeout_s=60)
+    zero_worker.init_ranks(timeout_s=60)
     import torch.distributed as dist
     from ds_odc.integrations.generation import residency_for
 
     rank, world = dist.get_rank(), dist.get_world_size()
     counts = [3, 1] if world == 2 else [2, 0, 1]  # training microbatches per rank (one sample each)
     model = tiny_qwen2()
-    initial = copy.deepcopy(model).eval()
+    initial = copy.deepcopy(model).to(_workload.DEVICE).eval()
     after_one, _ = reference_run(model, 1, sum(counts))
     after_two, _ = reference_run(model, 2, sum(counts))
     after_one.eval()

@@ -12,10 +12,12 @@ import sys
 import tempfile
 
 import ds_odc  # noqa: F401  (the `odc` key must parse before any TrainingArguments)
-from _support.launch import emit, init_test_ranks
+from _support.launch import emit
 from ds_odc.training.distributed import shutdown_and_exit
 
 sys.path.insert(0, os.path.dirname(__file__))
+sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", "zero"))
+from worker import init_ranks  # noqa: E402  (CPU ranks, or GPU ranks under tests/gpu)
 from _hf_workload import logged, tiny_llama, token_dataset, training_args  # noqa: E402
 
 
@@ -119,7 +121,7 @@ def scenario_resume():
 
 
 def main():
-    init_test_ranks(timeout_s=60)
+    init_ranks(timeout_s=60)
     globals()[f"scenario_{sys.argv[1]}"]()
     shutdown_and_exit()
 

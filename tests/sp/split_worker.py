@@ -131,47 +131,13 @@ def train(engine, sp: SequenceParallel, steps: int, world: int, rank: int, befor
     return losses, counts, splits
 
 
-class Replicated(torch.nn.Module):
-    """Every rank holds the whole model; the step sums the gradients over ranks (an all-reduce, then / W as ZeRO
-    averages) and takes the same SGD step as the reference: the data-parallel engine of runs where ODC's transport
-    is not the point (several ranks sharing one GPU)."""
-
-    def __init__(self, model):
-        super().__init__()
-        self.module = model
-        self.optimizer = client_optimizer([p for p in model.parameters() if p.requires_grad])
-
-    def forward(self, **inputs):
-        return self.module(**inputs)
-
-    def backward(self, loss, scale_wrt_gas=False):
-        loss.backward()
-
-    def step(self):
-        import torch.distributed as dist
-        world = dist.get_world_size()
-        for p in self.module.parameters():
-            if p.grad is None:
-                p.grad = torch.zeros_like(p)
-            dist.all_reduce(p.grad)
-            p.grad /= world
-        self.optimizer.step()
-        self.optimizer.zero_grad()
-
-
-def build(model, timeout_s: float, engine: str = "odc"):
-    if engine == "replicated":
-        return Replicated(model)
+def build(model, timeout_s: float):
     import deepspeed
     params = [p for p in model.parameters() if p.requires_grad]
     config = ds_config({"enabled": True, "timeout_s": timeout_s}, managed=False, optimizer="sgd")
     engine, *_ = deepspeed.initialize(model=model, model_parameters=params, optimizer=client_optimizer(params),
                                       config=config)
     return engine
-
-
-def params_of(engine) -> dict:
-    return full_params(engine.module) if isinstance(engine, Replicated) else full_params(engine)
 
 
 def check_model(kind: str, args, world: int, rank: int) -> dict:
@@ -185,15 +151,14 @@ def check_model(kind: str, args, world: int, rank: int) -> dict:
         use_chunked_loss(model, chunk_tokens=7)  # several chunks per slice
     sp = SequenceParallel(policy(model), timeout_s=60)
     refused = refusal_of_a_model_without_ds_odc_sp(sp, world) if world == 2 else None
-    engine = build(model, timeout_s=60, engine=args.engine)
+    engine = build(model, timeout_s=60)
     losses, counts, splits = train(engine, sp, args.steps, world, rank, chunked=args.chunked_loss)
     totals = torch.tensor(losses, dtype=torch.float64, device=DEVICE)
     dist.all_reduce(totals)  # each rank's share of the loss: the sum is the minibatch's mean loss
     all_counts = [None] * world
     dist.all_gather_object(all_counts, counts)
-    params = params_of(engine)
-    if hasattr(engine, "destroy"):
-        engine.destroy()
+    params = full_params(engine)
+    engine.destroy()
     return {"max_rel_diff": max_rel_diff(params, full_params(ref_model)), "losses": totals.tolist(),
             "ref_losses": ref_losses, "counts": all_counts, "splits": splits,
             "moved": _moved(params, full_params(tiny_model(kind, "eager"))), "refused": refused}
@@ -265,23 +230,13 @@ def main():
     parser.add_argument("--kill", action="store_true")
     parser.add_argument("--checkpointing", action="store_true", help="activation checkpointing (non-reentrant)")
     parser.add_argument("--chunked-loss", action="store_true", help="the model's chunked loss (use_chunked_loss)")
-    parser.add_argument("--engine", default="odc", choices=["odc", "replicated"],
-                        help="odc: DeepSpeed ZeRO-3 + ODC; replicated: every rank the whole model, gradients summed")
     args = parser.parse_args()
-    if os.environ.get("ODC_TEST_CUDA") == "1":  # the same scenarios on GPUs (tests/gpu/test_split_gpu.py)
-        import datetime
-
-        import deepspeed
+    cuda = os.environ.get("ODC_TEST_CUDA") == "1"  # the same scenarios on GPUs (tests/gpu/test_split_gpu.py)
+    init_test_ranks(timeout_s=120 if cuda else 60 if args.scenario == "train" else args.timeout * 2)
+    if cuda:
+        from ds_odc.training.distributed import training_device
         global DEVICE
-        # ODC_TEST_SHARED_GPU=1: every rank on cuda:0, collectives over gloo (NCCL refuses two ranks on one GPU)
-        shared = os.environ.get("ODC_TEST_SHARED_GPU") == "1"
-        local_rank = 0 if shared else int(os.environ.get("LOCAL_RANK", 0))
-        torch.cuda.set_device(local_rank)
-        DEVICE = torch.device("cuda", local_rank)
-        deepspeed.init_distributed(dist_backend="gloo" if shared else "nccl",
-                                   timeout=datetime.timedelta(seconds=120))
-    else:
-        init_test_ranks(timeout_s=60 if args.scenario == "train" else args.timeout * 2)
+        DEVICE = training_device()
     globals()[f"scenario_{args.scenario}"](args)
     shutdown_and_exit()
 

@@ -70,9 +70,9 @@ def backward_read_zero_grad_repeated(odc) -> dict:
         engine.step()
         tag = "zero_grad" if zero_grad else "accumulate"
         # every rank's own partition differs: gather them so rank 0 compares all of them
-        local = torch.cat(reads)
+        local = torch.cat(reads).to(engine.device)
         gathered = [torch.empty_like(local) for _ in range(dist.get_world_size())]
-        dist.all_gather(gathered, local.to(engine.device))
+        dist.all_gather(gathered, local)
         out[f"grad_partitions_read_{tag}"] = torch.cat([g.cpu() for g in gathered])
         out[f"params_after_{tag}"] = flat(full_params(engine).values())
     return out

@@ -23,12 +23,12 @@ import torch
 import torch.distributed as dist
 
 import ds_odc  # noqa: F401
-from _support.launch import emit, expect_error, init_test_ranks
+from _support.launch import emit, expect_error
 from ds_odc.training.distributed import shutdown_and_exit
 
 sys.path.insert(0, os.path.dirname(__file__))
 from _workload import ds_config, flat, full_params, minibatch, odc_vs_stock, tiny_llama  # noqa: E402
-from worker import build  # noqa: E402
+from worker import build, init_ranks  # noqa: E402
 
 
 def named(engine):
@@ -98,6 +98,27 @@ def reads_between_backward_and_step(odc) -> dict:
     return seen
 
 
+def slow_reader_between_microbatches(odc) -> dict:
+    """The first rank copies what safe_get_local_grad / averaged_gradients returned only after a pause, while the
+    others go on to their next microbatch at once. Stock's next reduce-scatter waits for it; under ODC on a GPU the
+    others' pushes add straight into its accumulator, so they must wait too, or the copy sees their next
+    microbatch."""
+    from deepspeed.utils import safe_get_local_grad
+    engine, params, opt = build_sgd(odc)
+    seen = {}
+    for k in range(2):
+        microbatch(engine, 0, k)
+        local = [safe_get_local_grad(p) for p in params]
+        averaged = [g for i in range(len(opt.fp16_groups)) for g in opt.averaged_gradients[i]]
+        if dist.get_rank() == 0:
+            time.sleep(0.5)
+        seen[f"slow_local_grads_{k}"] = flat(local)
+        seen[f"slow_averaged_{k}"] = flat(averaged)
+        engine.step()
+    seen["params_after_slow_reads"] = flat(full_params(engine).values())
+    return seen
+
+
 def writes_between_backward_and_step(odc) -> dict:
     from deepspeed.utils import safe_set_full_grad, safe_update_full_grad_vectorized
     engine, params, opt = build_sgd(odc)
@@ -160,7 +181,7 @@ def replaced_shards_read_at_once(odc) -> dict:
     return {"loss_after_replaced_shards": torch.tensor([eval_loss(engine)])}
 
 
-SECTIONS = [reads_between_backward_and_step, writes_between_backward_and_step, zero_grad_between_backward_and_step,
+SECTIONS = [reads_between_backward_and_step, slow_reader_between_microbatches, writes_between_backward_and_step, zero_grad_between_backward_and_step,
             shard_writes_read_at_once, fp32_param_write_then_step, replaced_shards_read_at_once]
 
 
@@ -194,7 +215,7 @@ def main():
     parser = argparse.ArgumentParser()
     parser.add_argument("scenario", choices=["apis", "refusals"])
     args = parser.parse_args()
-    init_test_ranks(timeout_s=60)
+    init_ranks(timeout_s=60)
     globals()[f"scenario_{args.scenario}"](args)
     shutdown_and_exit()
 

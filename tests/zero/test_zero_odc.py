@@ -134,3 +134,12 @@ def test_other_launchers(launcher):
     """The DeepSpeed launcher and mpirun (DeepSpeed's MPI discovery through mpi4py; MPI from the mpich wheel)."""
     r = run(2, "uneven", "--counts", "2,1", "--steps", "2", launcher=launcher)
     assert r["max_rel_diff"] < 1e-5, r
+
+
+def test_repeated_runs_are_bit_identical():
+    """Two trainings of the same minibatches, a different rank slow in each: the CPU transport sums pushes in rank
+    order, so the parameters agree bit for bit (the GPU's "deterministic": true path is tested in tests/gpu)."""
+    r = launch(WORKER, 2, ["repeatable", "--counts", "2,1", "--steps", "2"], timeout=240).check().result
+    assert r["optimizer"] == "OdcOptimizer"
+    assert r["runs_differ_bits"] == 0, r
+    assert r["moved"] > 1e-3, r

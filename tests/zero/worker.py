@@ -37,8 +37,9 @@ def build(model, config):
     return engine
 
 
-def train_uneven(engine, counts, steps, managed=False, step_offset=0, stall=None):
-    """Rank r runs counts[r] microbatches (one sample each) of every global minibatch; loss = global token mean."""
+def train_uneven(engine, counts, steps, managed=False, step_offset=0, stall=None, before_microbatch=None):
+    """Rank r runs counts[r] microbatches (one sample each) of every global minibatch; loss = global token mean.
+    ``before_microbatch(step, i)`` runs before each of this rank's microbatches (to delay it)."""
     rank, world = rank_world()
     total = sum(counts)
     first = sum(counts[:rank])
@@ -50,6 +51,8 @@ def train_uneven(engine, counts, steps, managed=False, step_offset=0, stall=None
         mine = samples[first:first + counts[rank]]
         local = 0.0
         for i, s in enumerate(mine):
+            if before_microbatch is not None:
+                before_microbatch(step, i)
             if managed:
                 engine.set_gradient_accumulation_boundary(i == len(mine) - 1)
             loss = token_loss_sum(engine(input_ids=s).logits, s) * weight
@@ -117,7 +120,7 @@ def scenario_uneven(args):
     extra = {"stage3_param_persistence_threshold": args.persist} if args.persist else {}
     if args.linear is not None:
         extra["memory_efficient_linear"] = args.linear == "deepspeed"
-    odc = {"enabled": True, "fetch_unit": args.fetch_unit}
+    odc = {"enabled": True, "fetch_unit": args.fetch_unit, "force_remote_path": args.remote}
     engine = build(model, ds_config(odc, clip=args.clip, managed=args.managed, optimizer="sgd", extra_zero=extra))
     persistent = len(engine.optimizer.persistent_parameters)
     transport, reads = engine.optimizer.odc.transport, []
@@ -133,6 +136,32 @@ def scenario_uneven(args):
               "moved": max_rel_diff(odc, initial),
               "persistent_params": persistent, "reads": len(reads), "params_read": sum(reads), "module_fetches": len(fetches),
               "optimizer": type(engine.optimizer).__name__, "grad_norm": float(engine.get_global_grad_norm())})
+
+
+def scenario_repeatable(args):
+    """"deterministic": true, trained twice on the same minibatches with the ranks delayed differently each time (so
+    gradient pushes land in other orders): the two runs must end bit for bit equal."""
+    rank, world = rank_world()
+    counts = [int(c) for c in args.counts.split(",")]
+    torch.use_deterministic_algorithms(True, warn_only=True)  # the model's own kernels must not add noise
+    initial = full_params(tiny_llama())
+    finals = []
+    for run in range(2):
+        engine = build(tiny_llama(), ds_config({"enabled": True, "deterministic": True}, managed=False,
+                                               optimizer="sgd"))
+        slow = (rank + run) % world  # another rank is slow in each run
+
+        def delay(step, i, slow=slow):
+            if rank == slow:
+                time.sleep(0.05)
+
+        train_uneven(engine, counts, args.steps, before_microbatch=delay)
+        finals.append(full_params(engine))
+    bits = sum(int((a.view(torch.int32) != b.view(torch.int32)).sum()) for a, b in
+               zip(finals[0].values(), finals[1].values()))
+    if rank == 0:
+        emit({"runs_differ_bits": bits, "moved": max_rel_diff(finals[0], initial),
+              "optimizer": type(engine.optimizer).__name__})
 
 
 def scenario_checkpoint(args):
@@ -229,6 +258,43 @@ def scenario_fence_timeout(args):
         emit({"error_type": None})
 
 
+def scenario_fault(args):
+    """Rank 1 dies (SIGKILL) right after it issues a gradient push (``--fault kill-push``) or a parameter read
+    (``kill-fetch``) of step 1, or stops (SIGSTOP, ``stop``) there. Every other rank must raise at its next meeting an
+    error naming rank 1, within ``timeout_s``, and then exit like a script whose exception nobody caught. Each
+    survivor prints its own result line first."""
+    import signal
+    rank, world = rank_world()
+    engine = build(tiny_llama(), ds_config({"enabled": True, "timeout_s": args.timeout}, managed=False,
+                                           optimizer="sgd"))
+    state = engine.optimizer.odc
+    clock = {"armed": False, "step1": None}
+    if rank == 1:
+        hop = "push" if args.fault == "kill-push" or args.fault == "stop" else "fetch"
+        original = getattr(state, hop)
+        how = signal.SIGSTOP if args.fault == "stop" else signal.SIGKILL
+
+        def faulty(*a, **k):
+            out = original(*a, **k)  # the push or read is on the GPU's stream, most likely still running
+            if clock["armed"]:
+                os.kill(os.getpid(), how)
+            return out
+
+        setattr(state, hop, faulty)
+
+    def before(step, i):
+        if step == 1 and i == 0:
+            clock["armed"], clock["step1"] = True, time.monotonic()
+
+    try:
+        train_uneven(engine, [2] * world, 3, before_microbatch=before)
+    except Exception as err:
+        emit({"rank": rank, "error_type": type(err).__name__, "error": str(err)[:600],
+              "missing": getattr(err, "missing_ranks", None), "after_s": time.monotonic() - clock["step1"]})
+        raise
+    emit({"rank": rank, "error_type": None})
+
+
 def scenario_rejects(args):
     """Every unsupported option must raise ValueError naming it at deepspeed.initialize."""
     cases = {
@@ -259,16 +325,13 @@ def scenario_rejects(args):
 
 
 def init_ranks(timeout_s: float = 60.0) -> None:
-    """CPU ranks under the test launcher; with ODC_TEST_CUDA=1 (tests/gpu) one CUDA device per rank over NCCL."""
-    if os.environ.get("ODC_TEST_CUDA") == "1":
-        import datetime
-        import deepspeed
-        local_rank = int(os.environ.get("LOCAL_RANK", 0))
-        torch.cuda.set_device(local_rank)
-        _workload.DEVICE = torch.device("cuda", local_rank)
-        deepspeed.init_distributed(dist_backend="nccl", timeout=datetime.timedelta(seconds=120))
-    else:
-        init_test_ranks(timeout_s=timeout_s)
+    """CPU ranks under the test launcher; with ODC_TEST_CUDA=1 (tests/gpu) CUDA ranks: one GPU each over NCCL, or
+    all on one GPU over gloo (DS_ODC_SHARED_GPU=1)."""
+    from ds_odc.training.distributed import training_device
+    cuda = os.environ.get("ODC_TEST_CUDA") == "1"
+    init_test_ranks(timeout_s=max(timeout_s, 120.0) if cuda else timeout_s)
+    if cuda:
+        _workload.DEVICE = training_device()
 
 
 def main():
@@ -281,6 +344,7 @@ def main():
     parser.add_argument("--frozen", action="store_true")
     parser.add_argument("--timeout", type=float, default=10.0)
     parser.add_argument("--kill", action="store_true")
+    parser.add_argument("--fault", choices=["kill-push", "kill-fetch", "stop"], default="kill-push")
     parser.add_argument("--bf16", action="store_true")
     parser.add_argument("--optimizer", choices=["adamw", "sgd"], default="adamw")
     parser.add_argument("--reference-dtype", choices=["float64", "float32"], default="float64")
@@ -288,6 +352,7 @@ def main():
     parser.add_argument("--checkpointing", action="store_true", help="activation checkpointing (non-reentrant)")
     parser.add_argument("--linear", choices=["deepspeed", "torch"], help="memory_efficient_linear true / false")
     parser.add_argument("--persist", type=int, default=0, help="stage3_param_persistence_threshold")
+    parser.add_argument("--remote", action="store_true", help="odc.force_remote_path (GPU: NVSHMEM get/put only)")
     parser.add_argument("--local_rank", type=int, default=None)  # the deepspeed launcher passes it
     args = parser.parse_args()
     if args.scenario == "collectives":
