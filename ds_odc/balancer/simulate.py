@@ -2,7 +2,8 @@
 
     python -m ds_odc.balancer.simulate (--lengths FILE | --preset NAME) --ranks R --minibatch-size M \\
         --max-tokens T [--cost tokens|quadratic|fitted] [--microbatch-overhead X] [--plan-cost auto|given|oracle] \\
-        [--steps N] [--seed S] [--json] [--plot out.png]
+        [--steps N] [--seed S] [--planners A,B | --split [--model-config SHAPE] [--sp-efficiency E]
+        [--ranks-per-node N] [--max-group-size G]] [--json] [--plot out.png]
 
 For each of ``--steps`` minibatches, ``M * R`` lengths are drawn (``--seed``): from FILE (one length per line;
 without replacement when the file is large enough) or from a preset (see :mod:`ds_odc.balancer.presets`).
@@ -53,7 +54,7 @@ from .lengths import read_lengths
 from .plan import Plan, effective_lengths, odc_schedule, step_time
 from .planners import BASELINE_PLANNER, PLANNERS, get_planner, plan_minibatch
 from .presets import MODEL_SHAPES, PRESETS, get_preset
-from .sp import SplitPolicy
+from .sp import DEFAULT_INTER_NODE_SLOWDOWN, SplitPolicy
 
 __all__ = ["PLAN_COSTS", "WHOLE_SAMPLE_PLANNERS", "StepResult", "Machine", "run_plan", "simulate_step", "simulate",
            "balance_bound", "main"]
@@ -432,7 +433,14 @@ def main(argv: Sequence[str] | None = None) -> int:
                          "ranks with sequence parallelism; the groups follow --model-config's attention heads)")
     ap.add_argument("--sp-efficiency", type=float, default=0.8,
                     help="with --split: a sample split g ways takes 1/(g*E) of its time per member (default 0.8)")
-    ap.add_argument("--ranks-per-node", type=int, default=8, help="with --split: the largest group (default 8)")
+    ap.add_argument("--ranks-per-node", type=int, default=8,
+                    help="with --split: ranks that share a node's fast links; a group's exchange across nodes costs "
+                         "--inter-node-slowdown times more (default 8)")
+    ap.add_argument("--max-group-size", type=int, default=None,
+                    help="with --split: the most ranks one sample is split over (default: --ranks)")
+    ap.add_argument("--inter-node-slowdown", type=float, default=DEFAULT_INTER_NODE_SLOWDOWN,
+                    help=f"with --split: how much longer a byte takes between nodes than inside one (default "
+                         f"{DEFAULT_INTER_NODE_SLOWDOWN:g})")
     args = ap.parse_args(argv)
 
     try:
@@ -459,7 +467,8 @@ def main(argv: Sequence[str] | None = None) -> int:
         ap.error(f"--planners: {err}")
     split = None
     if any(p.splits for p in specs):
-        options = dict(efficiency=args.sp_efficiency, ranks_per_node=args.ranks_per_node)
+        options = dict(efficiency=args.sp_efficiency, ranks_per_node=args.ranks_per_node,
+                       max_group_size=args.max_group_size, inter_node_slowdown=args.inter_node_slowdown)
         split = (SplitPolicy.from_hf_config(_model_config(args.model_config), **options) if args.model_config
                  else SplitPolicy(**options))
     t0 = time.perf_counter()
@@ -516,8 +525,9 @@ def _print_table(summary: dict, args: argparse.Namespace, seconds: float) -> Non
             print(f"{p}: {s['split_samples_per_step']:.1f} split samples per step; groups (Ulysses x ring: count) "
                   f"{shapes}; split overhead {s['split_overhead_per_rank']:.4g} per rank and step (busy in the "
                   "bubble, idle in the work bubble)")
-    if any_s["truncated_samples"]:
-        print(f"{any_s['truncated_samples']} samples longer than --max-tokens were truncated ({args.oversize})")
+    for p, s in summary.items():
+        if s["truncated_samples"]:
+            print(f"{p}: {s['truncated_samples']} samples longer than it can train were truncated ({args.oversize})")
 
 
 if __name__ == "__main__":

@@ -77,6 +77,8 @@ class SplitPolicy:
         ranks_per_node: ranks that share a fast interconnect (a node); a group's exchange over ranks of several
             nodes costs ``inter_node_slowdown`` times more per byte.
         max_group_size: the largest group (``None``: the world size). Groups have 2, 4, 8, ... ranks.
+        max_ulysses_size: the most ranks of a group that share heads (``None``: as many as the heads allow); e.g. 1
+            for ring attention alone.
         num_attention_heads, num_key_value_heads: the model's; Ulysses gives each of ``u`` members ``heads / u``
             query heads, so ``u`` must divide them, and either divide the KV heads or be a multiple of them (KV
             heads are then replicated, as DeepSpeed's ``UlyssesSPAttentionHF`` does). A group larger than the heads
@@ -92,6 +94,7 @@ class SplitPolicy:
     efficiency: float = DEFAULT_EFFICIENCY
     ranks_per_node: int = 8
     max_group_size: int | None = None
+    max_ulysses_size: int | None = None
     num_attention_heads: int | None = None
     num_key_value_heads: int | None = None
     exchange_per_token: float = 0.0
@@ -103,8 +106,9 @@ class SplitPolicy:
             raise ValueError(f"SplitPolicy.efficiency must be in (0, 1], got {self.efficiency}")
         if self.ranks_per_node < 1:
             raise ValueError(f"SplitPolicy.ranks_per_node must be >= 1, got {self.ranks_per_node}")
-        if self.max_group_size is not None and self.max_group_size < 1:
-            raise ValueError(f"SplitPolicy.max_group_size must be >= 1 or None, got {self.max_group_size}")
+        for name in ("max_group_size", "max_ulysses_size"):
+            if getattr(self, name) is not None and getattr(self, name) < 1:
+                raise ValueError(f"SplitPolicy.{name} must be >= 1 or None, got {getattr(self, name)}")
         heads, kv = self.num_attention_heads, self.num_key_value_heads
         if heads is not None and heads < 1 or kv is not None and kv < 1:
             raise ValueError(f"SplitPolicy: head counts must be positive, got {heads} query / {kv} KV heads")
@@ -115,7 +119,7 @@ class SplitPolicy:
 
     @classmethod
     def from_hf_config(cls, config: Any, *, efficiency: float = DEFAULT_EFFICIENCY, ranks_per_node: int = 8,
-                       max_group_size: int | None = None, dtype_bytes: int = 2,
+                       max_group_size: int | None = None, max_ulysses_size: int | None = None, dtype_bytes: int = 2,
                        flops_per_byte: float = DEFAULT_FLOPS_PER_BYTE,
                        inter_node_slowdown: float = DEFAULT_INTER_NODE_SLOWDOWN) -> "SplitPolicy":
         """The policy of a Hugging Face decoder config (or a dict with its keys): head limits from the config, and
@@ -134,7 +138,7 @@ class SplitPolicy:
         token_flops = QuadraticCost.from_hf_config(config).a  # a token's linear training compute
         per_element = 2 * int(get("num_hidden_layers")) * dtype_bytes * flops_per_byte / token_flops  # fwd + bwd
         return cls(efficiency=efficiency, ranks_per_node=ranks_per_node, max_group_size=max_group_size,
-                   num_attention_heads=heads, num_key_value_heads=kv,
+                   max_ulysses_size=max_ulysses_size, num_attention_heads=heads, num_key_value_heads=kv,
                    exchange_per_token=per_element * 2 * heads * head_dim,  # q and the attention output
                    exchange_per_kv_head=per_element * 2 * head_dim,  # k and v
                    inter_node_slowdown=inter_node_slowdown)
@@ -199,7 +203,7 @@ def _shape_of(policy: SplitPolicy, g: int) -> tuple[int, float]:
     """(Ulysses size, exchange per member token) of the cheapest shape of a group of ``g``."""
     best = None
     u = 1
-    while u <= g:
+    while u <= min(g, policy.max_ulysses_size or g):
         if g % u == 0 and (u == 1 or policy.ulysses_limit(u) is None):
             cost = policy.exchange_per_member_token(g, u)
             if best is None or cost <= best[1]:

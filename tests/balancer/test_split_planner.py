@@ -304,3 +304,11 @@ def test_sampler_gives_each_member_its_split_samples_and_the_same_normalisers():
     assert tokens == round(4500 / (4 * 0.8) + rest)
     with pytest.raises(ValueError, match="unknown planner"):
         BalancedBatchSampler(lengths, world_size=4, rank=0, minibatch_size=4, max_tokens=2048, planner="lb-sp")
+
+
+def test_max_ulysses_size_caps_the_heads_part():
+    policy = SplitPolicy(num_attention_heads=32, num_key_value_heads=8, max_ulysses_size=2)
+    assert [policy.ulysses_size(g) for g in (2, 4, 8)] == [2, 2, 2]
+    assert SplitPolicy(max_ulysses_size=1).ulysses_size(8) == 1
+    with pytest.raises(ValueError, match="max_ulysses_size"):
+        SplitPolicy(max_ulysses_size=0)
