@@ -93,8 +93,8 @@ def pack_positions(
     """:func:`pack` on positions ``0..n-1`` with precomputed lengths and costs (what the planners call)."""
     n = len(lens)
     if k is None:
-        if max_tokens is None:
-            bins = [[j] for j in range(n)]
+        if max_tokens is None:  # one sample each, heaviest first: what _order makes of singletons, sorted once
+            return [[j] for j in sorted(range(n), key=lambda j: (-costs[j], j))]
         else:
             bins = fewest_bins(lens, max_tokens)
     else:

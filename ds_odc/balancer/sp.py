@@ -283,23 +283,27 @@ def plan_split(
     chosen = _choose_splits(m, W, max_tokens, sizes, policy)
     if not chosen:  # nothing worth splitting: exactly LB-Mini (every sample fits max_tokens here)
         return lb_mini()
-    plan = SplitPlan(**_place(chosen, m, W, max_tokens, policy), **common)
-    return _no_worse_than_lb_mini(plan, lb_mini, m, lengths, sq_lengths, max_tokens)
+    fields, step, busy = _place(chosen, m, W, max_tokens, policy)
+    return _no_worse_than_lb_mini(SplitPlan(**fields, **common), step, busy, lb_mini, m, lengths, sq_lengths,
+                                  max_tokens)
 
 
 def _place(chosen: list[tuple[int, int, int]], m: CheckedMinibatch, W: int, max_tokens: int | None,
            policy: SplitPolicy) -> dict:
     """Steps 3-4 of the module docstring: the split samples at the front of their members' lists, in order, then
-    the other samples balanced around them. Returns the plan's ``microbatches`` and ``splits``."""
+    the other samples balanced around them. Returns the plan's ``microbatches`` and ``splits``, and its step time
+    and total busy time under the planning cost."""
     cm, act, lens = m.cost, m.active.tolist(), m.lengths
     fixed = cm.per_microbatch
     ready = np.zeros(W)
-    splits, first = [], [[] for _ in range(W)]
+    splits, members, first = [], [], [[] for _ in range(W)]
     for j, g, b in chosen:
-        member = float(policy.member_cost(m.costs[j], lens[j], g, cm.a)) + fixed
+        u = policy.ulysses_size(g)
+        member = float(policy.member_cost(m.costs[j], lens[j], g, cm.a, u)) + fixed
         ranks = tuple(range(b * g, (b + 1) * g))
         ready[b * g:(b + 1) * g] = ready[b * g:(b + 1) * g].max() + member
-        splits.append(SplitSample(act[j], ranks, policy.ulysses_size(g)))
+        splits.append(SplitSample(act[j], ranks, u))
+        members.append(member)
         for r in ranks:
             first[r].append([act[j]])
 
@@ -309,19 +313,24 @@ def _place(chosen: list[tuple[int, int, int]], m: CheckedMinibatch, W: int, max_
     share = np.ones(lens.size) if max_tokens is None else lens / max_tokens
     shares = _balance_around([float(m.costs[j] + fixed * share[j]) for j in rest], ready.tolist())
     len_of, cost_of = lens.tolist(), m.costs.tolist()
-    microbatches = []
+    microbatches, finish = [], []
+    busy = math.fsum(len(s.ranks) * member for s, member in zip(splits, members))
     for r in range(W):
         mine = [rest[k] for k in shares[r]]
         local = pack_positions([len_of[j] for j in mine], [cost_of[j] for j in mine], max_tokens, None)
         microbatches.append(first[r] + [[act[mine[k]] for k in mb] for mb in local])
-    return dict(microbatches=microbatches, splits=tuple(splits))
+        own = math.fsum(cost_of[j] for j in mine) + fixed * len(local)
+        busy += own
+        finish.append(float(ready[r]) + own)  # its split samples end at ready[r], waits for the groups included
+    # The plan's step and busy time under the planning cost, as odc_schedule and microbatch_costs would give them.
+    return dict(microbatches=microbatches, splits=tuple(splits)), max(finish, default=0.0), busy
 
 
-def _no_worse_than_lb_mini(plan: SplitPlan, lb_mini: Callable[[], SplitPlan], m: CheckedMinibatch,
-                           lengths: Sequence[int], sq_lengths: Sequence[float] | None,
+def _no_worse_than_lb_mini(plan: SplitPlan, step: float, busy: float, lb_mini: Callable[[], SplitPlan],
+                           m: CheckedMinibatch, lengths: Sequence[int], sq_lengths: Sequence[float] | None,
                            max_tokens: int | None) -> SplitPlan:
-    """``plan``, unless lb-mini's plan of the same samples, each trained whole, has a shorter step or a smaller
-    bubble under the planning cost; then that plan, if every sample fits ``max_tokens`` (otherwise it cannot be
+    """``plan`` (whose ``step`` and ``busy`` time are given), unless lb-mini's plan of the same samples, each trained
+    whole, has a shorter step or a smaller bubble under the planning cost; then that plan, if every sample fits ``max_tokens`` (otherwise it cannot be
     trained, and ``plan`` stays). lb-mini's plan is only computed when its lower bounds do not already settle it:
     its step is at least ``max(costliest sample, least total work / W)``, and its busy time at most the samples'
     costs plus one fixed cost per sample."""
@@ -332,7 +341,7 @@ def _no_worse_than_lb_mini(plan: SplitPlan, lb_mini: Callable[[], SplitPlan], m:
         t = step_time(mbc, "odc", p.splits)
         return t, 1.0 - math.fsum(map(math.fsum, mbc)) / (W * t) if t > 0 else 0.0
 
-    step, bubble = step_and_bubble(plan)
+    bubble = 1.0 - busy / (W * step) if step > 0 else 0.0
     work = float(m.costs.sum())
     fewest = m.lengths.size if max_tokens is None else max(1, -(-int(m.lengths.sum()) // max_tokens))
     least_step = max(float(m.costs.max()) + fixed, (work + fixed * fewest) / W)
