@@ -122,3 +122,27 @@ def test_ring_attention_is_per_document_causal_attention_of_the_whole_sample(mon
         monkeypatch.setattr(cp, "gather_sequence", lambda x, group: gathered["k" if x is mine_k else "v"])
         got[:, index[j]] = cp.ring_attention(q[:, :, index[j]], mine_k, mine_v, layout, j, None, scaling=0.3)
     assert torch.allclose(got, want, rtol=0, atol=1e-12)
+
+
+def test_ring_refuses_what_it_cannot_attend(monkeypatch):
+    """Inside a split sample's run over a ring, attention features the ring does not implement are refused by
+    name (before any collective), not silently ignored."""
+    from ds_odc.training import sequence_parallel as spm
+    from ds_odc.training.context_parallel import SplitLayout
+    monkeypatch.setattr(spm, "_active", spm._Active((0, 1), SplitLayout((8,), 1, 2), 0, None, None))
+    q, k = torch.randn(1, 2, 4, 8), torch.randn(1, 1, 4, 8)
+    positions = torch.arange(4)[None]
+    with pytest.raises(ValueError, match="sliding windows"):
+        sp_attention_forward(torch.nn.Module(), q, k, k, None, position_ids=positions, sliding_window=2)
+    encoder = torch.nn.Module()
+    encoder.is_causal = False
+    with pytest.raises(ValueError, match="causal only"):
+        sp_attention_forward(encoder, q, k, k, None, position_ids=positions)
+    with pytest.raises(ValueError, match="position_ids only"):
+        sp_attention_forward(torch.nn.Module(), q, k, k, None, position_ids=positions, cu_seq_lens_q=positions)
+
+
+def test_packed_documents_of_a_split_sample_are_found_once_for_the_whole_sample():
+    sample = {"input_ids": torch.arange(13), "position_ids": torch.tensor([0, 1, 2, 3, 4, 0, 1, 2, 0, 1, 2, 3, 4])}
+    layout = slice_sample(sample, (0, 1, 2, 3), 0, ulysses=2).layout
+    assert layout.documents == (5, 3, 5, 3) and (layout.ulysses, layout.ring) == (2, 2)  # 3 padding tokens last
