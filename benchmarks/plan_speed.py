@@ -1,8 +1,8 @@
 """Time planning one minibatch (default: 4,096 samples on 512 ranks, long-sft lengths, max_tokens 65,536).
 
 Run on one core:  taskset -c 0 python benchmarks/plan_speed.py
-Target: < 50 ms per plan for lb-mini and lb-micro.  Prints a table over --repeats minibatches (different seeds):
-median CPU time of this process (robust when other jobs share the core), median wall time and worst CPU time.
+Target: < 50 ms per plan for lb-mini, lb-mini-sp and lb-micro.  Prints a table over --repeats minibatches
+(different seeds): median CPU time of this process (robust when other jobs share the core), median wall time and worst CPU time.
 Then the automatic cost's refit per step at the same rank count (target < 1 ms): one ``AutoCost.observe`` of every
 rank's numbers, window full.
 
@@ -44,7 +44,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--preset", default="long-sft")
     ap.add_argument("--cost", default="tokens", choices=sorted(COSTS))
     ap.add_argument("--repeats", type=int, default=20)
-    ap.add_argument("--planners", default="lb-mini,lb-micro,local-sort")
+    ap.add_argument("--planners", default="lb-mini,lb-mini-sp,lb-micro,local-sort")
     ap.add_argument("--split-model", default="qwen2.5-1.5b", choices=sorted(MODEL_SHAPES),
                     help="the model shape whose SplitPolicy a splitting planner plans with")
     ap.add_argument("--oversize", default="truncate", choices=["error", "truncate", "skip"])

@@ -294,25 +294,28 @@ def _place(chosen: list[tuple[int, int, int]], m: CheckedMinibatch, W: int, max_
     the other samples balanced around them. Returns the plan's ``microbatches`` and ``splits``, and its step time
     and total busy time under the planning cost."""
     cm, act, lens = m.cost, m.active.tolist(), m.lengths
-    fixed = cm.per_microbatch
-    ready = np.zeros(W)
+    fixed, a = cm.per_microbatch, float(cm.a)
+    len_of, cost_of = lens.tolist(), m.costs.tolist()  # Python numbers: far cheaper than numpy scalars one by one
+    ready = [0.0] * W
     splits, members, first = [], [], [[] for _ in range(W)]
     for j, g, b in chosen:
         u = policy.ulysses_size(g)
-        member = float(policy.member_cost(m.costs[j], lens[j], g, cm.a, u)) + fixed
-        ranks = tuple(range(b * g, (b + 1) * g))
-        ready[b * g:(b + 1) * g] = ready[b * g:(b + 1) * g].max() + member
-        splits.append(SplitSample(act[j], ranks, u))
+        member = policy.member_cost(cost_of[j], len_of[j], g, a, u) + fixed
+        lo, hi = b * g, (b + 1) * g
+        ready[lo:hi] = [max(ready[lo:hi]) + member] * g
+        splits.append(SplitSample(act[j], tuple(range(lo, hi)), u))
         members.append(member)
-        for r in ranks:
+        for r in range(lo, hi):
             first[r].append([act[j]])
 
     split = {j for j, _, _ in chosen}
     rest = [j for j in range(len(act)) if j not in split]
     # As lb-mini counts them: a sample alone in its microbatch pays the fixed cost, a packed one its token share.
-    share = np.ones(lens.size) if max_tokens is None else lens / max_tokens
-    shares = _balance_around([float(m.costs[j] + fixed * share[j]) for j in rest], ready.tolist())
-    len_of, cost_of = lens.tolist(), m.costs.tolist()
+    if max_tokens is None:
+        item = [cost_of[j] + fixed for j in rest]
+    else:
+        item = [cost_of[j] + fixed * len_of[j] / max_tokens for j in rest]
+    shares = _balance_around(item, ready)
     microbatches, finish = [], []
     busy = math.fsum(len(s.ranks) * member for s, member in zip(splits, members))
     for r in range(W):
@@ -321,7 +324,7 @@ def _place(chosen: list[tuple[int, int, int]], m: CheckedMinibatch, W: int, max_
         microbatches.append(first[r] + [[act[mine[k]] for k in mb] for mb in local])
         own = math.fsum(cost_of[j] for j in mine) + fixed * len(local)
         busy += own
-        finish.append(float(ready[r]) + own)  # its split samples end at ready[r], waits for the groups included
+        finish.append(ready[r] + own)  # its split samples end at ready[r], waits for the groups included
     # The plan's step and busy time under the planning cost, as odc_schedule and microbatch_costs would give them.
     return dict(microbatches=microbatches, splits=tuple(splits)), max(finish, default=0.0), busy
 
