@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import inspect
 import json
 import sys
 import time
@@ -98,7 +99,7 @@ def varlen(row: Row, repeat_kv: bool) -> torch.Tensor:
     q, k, v = (x[0].transpose(0, 1) for x in (row.q, row.k, row.v))
     if repeat_kv:
         k, v = (x.repeat_interleave(q.shape[1] // x.shape[1], 1) for x in (k, v))
-    _, takes_gqa = attention._varlen_kernel()
+    takes_gqa = "enable_gqa" in inspect.signature(varlen_attn).parameters
     extra = {"enable_gqa": True} if takes_gqa and k.shape[1] != q.shape[1] else {}
     m = max(row.lengths)
     return varlen_attn(q, k, v, row.cu, row.cu, m, m, window_size=(-1, 0), **extra).transpose(0, 1)[None]
@@ -107,10 +108,11 @@ def varlen(row: Row, repeat_kv: bool) -> torch.Tensor:
 def ds_odc_varlen(kernel: str, fresh_lengths: bool = False):
     """``ds_odc_varlen`` through the transformers interface under ``kernel`` (the code training runs)."""
     calls = 0
+    layer = torch.nn.Module()
+    attention.use_kernel(layer, kernel)
 
     def forward(row: Row) -> torch.Tensor:
         nonlocal calls
-        attention.set_kernel(kernel)
         cu, lengths = row.cu, row.lengths
         if fresh_lengths and len(row.lengths) > 1:  # as sdpa_fresh_lengths: new lengths every call
             calls += 1
@@ -119,11 +121,8 @@ def ds_odc_varlen(kernel: str, fresh_lengths: bool = False):
             lengths[0] -= shift
             lengths[1] += shift
             cu = F.pad(torch.tensor(lengths, device=row.q.device).cumsum(0), (1, 0)).to(torch.int32)
-        try:
-            out, _ = attention.varlen_attention_forward(torch.nn.Module(), row.q, row.k, row.v, None,
-                                                        cu_seq_lens_q=cu, max_length_q=max(lengths))
-        finally:
-            attention.set_kernel("auto")
+        out, _ = attention.varlen_attention_forward(layer, row.q, row.k, row.v, None, cu_seq_lens_q=cu,
+                                                    max_length_q=max(lengths))
         return out.transpose(1, 2)
     return forward
 
@@ -170,13 +169,12 @@ def sweep(args, device, dtype, cuda: bool) -> list[dict]:
         row = Row([length] * docs, args.heads, args.kv_heads, args.head_dim, device, dtype)
         times = {}
         for kernel in ("varlen", "bucketed") if cuda else ("sdpa", "bucketed"):
-            def forward(r, kernel=kernel):
-                attention.set_kernel(kernel, long_document=1)
-                try:
-                    out, _ = attention.varlen_attention_forward(torch.nn.Module(), r.q, r.k, r.v, None,
-                                                                cu_seq_lens_q=r.cu, max_length_q=length)
-                finally:
-                    attention.set_kernel("auto")
+            layer = torch.nn.Module()
+            attention.use_kernel(layer, kernel, long_document=1)
+
+            def forward(r, layer=layer):
+                out, _ = attention.varlen_attention_forward(layer, r.q, r.k, r.v, None, cu_seq_lens_q=r.cu,
+                                                            max_length_q=length)
                 return out.transpose(1, 2)
             m = measure(row, forward, args.reps, cuda)
             times[kernel] = m["ms"] / docs
@@ -215,7 +213,7 @@ def main(argv=None):
     p.add_argument("--reps", type=int, default=5)
     p.add_argument("--sweep", action="store_true",
                    help="also time rows of equal documents, 256 tokens up to --row-tokens: varlen against each "
-                        "document in its own padded sdpa call (where set_kernel's long_document belongs)")
+                        "document in its own padded sdpa call (where use_kernel's long_document belongs)")
     p.add_argument("--out", default=None, help="write attention.json here")
     args = p.parse_args(argv)
     cuda = torch.cuda.is_available()

@@ -16,7 +16,9 @@ A mode takes options after slashes: ``/packed`` or ``/unpacked`` (override the w
 a local-sort mode are planned by lb-micro), an attention implementation (``/sdpa``, ``/flex_attention``; default
 ds_odc_varlen) and a kernel of ds_odc_varlen (``/varlen``, ``/bucketed``; default auto), e.g.
 ``odc+lb-mini/unpacked/sdpa``. Each runs in its own torchrun launch; the table compares
-samples/s measured in this one call (ratios, not absolute times, are what carry over between machines).
+samples/s measured in this one call (ratios, not absolute times, are what carry over between machines). Every mode
+is compared like for like: with FSDP2 and with plain training on the same rows (packed with packed, unpacked with
+unpacked, the same attention), when those ran in the call.
 
 The packed table on one GPU (ODC packed vs unpacked vs FSDP2 vs plain; cuDNN's sdpa as the "before" of the
 per-layer host time):
@@ -50,8 +52,8 @@ MODES = {
     "fsdp2": ("fsdp2", None, "local-sort"),
     "plain": ("plain", None, "local-sort"),
 }
-PACKED_TABLE = ["odc+lb-mini", "odc+lb-mini/unpacked", "fsdp2/unpacked", "plain", "plain/unpacked",
-                "odc+lb-mini/unpacked/sdpa", "fsdp2/unpacked/sdpa"]
+PACKED_TABLE = ["odc+lb-mini", "fsdp2", "plain", "odc+lb-mini/unpacked", "fsdp2/unpacked", "plain/unpacked"]
+LIKE_FOR_LIKE = ["fsdp2", "plain"]  # every mode's ratio against these on the same rows
 ATTENTION_OPTIONS = {"ds_odc_varlen", "sdpa", "eager", "flex_attention", "flash_attention_2"}
 KERNEL_OPTIONS = {"varlen", "bucketed"}  # of ds_odc_varlen (--attention-kernel)
 
@@ -89,6 +91,16 @@ def write_lengths(workload: str, minibatches: int, path: Path, scale: float = 1.
                    for x in longtail_from_normals(torch.randn(per_minibatch, generator=g).numpy())]
     lengths = [max(2, round(n * scale)) for n in lengths]
     path.write_text("\n".join(map(str, lengths)) + "\n")
+
+
+def like_for_like(mode: str, base: str, ran: dict, workload: str) -> str | None:
+    """The mode of ``ran`` that trains ``base`` on the same rows as ``mode`` (packing and attention), if any."""
+    _, packed, attn, kernel = parse_mode(mode, workload)
+    for other in ran:
+        name, other_packed, other_attn, other_kernel = parse_mode(other, workload)
+        if name == base and (other_packed, other_attn, other_kernel) == (packed, attn, kernel):
+            return other
+    return None
 
 
 def run(mode: str, args, lengths: Path, out: Path) -> dict:
@@ -146,8 +158,8 @@ def main():
     p.add_argument("--modes", default=None,
                    help=f"comma list (default: every mode; for longtail-packed: {','.join(PACKED_TABLE)})")
     p.add_argument("--compare-to", default=None,
-                   help="modes the table gives ratios against (default: stock+lb-micro,fsdp2; for longtail-packed: "
-                        "odc+lb-mini/unpacked,fsdp2/unpacked,plain)")
+                   help="more modes the table gives ratios against (default: stock+lb-micro; none for "
+                        "longtail-packed), besides FSDP2 and plain on the same rows")
     p.add_argument("--nproc", type=int, default=2)
     p.add_argument("--steps", type=int, default=5)
     p.add_argument("--out", default="e2e_results")
@@ -162,9 +174,9 @@ def main():
     p.add_argument("--scale", type=float, default=1.0, help="scale all lengths (CPU smoke runs with --model tiny)")
     args = p.parse_args()
     packed_table = args.workload == "longtail-packed"
-    args.modes = args.modes or ",".join(PACKED_TABLE if packed_table else [m for m in MODES if m != "plain"])
-    args.compare_to = args.compare_to or ("odc+lb-mini/unpacked,fsdp2/unpacked,plain" if packed_table
-                                          else "stock+lb-micro,fsdp2")
+    args.modes = args.modes or ",".join(PACKED_TABLE if packed_table else
+                                        [m for m in MODES if m != "plain" or args.nproc == 1])
+    args.compare_to = args.compare_to if args.compare_to is not None else ("" if packed_table else "stock+lb-micro")
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
     lengths = out / f"lengths-{args.workload}.txt"
@@ -178,14 +190,20 @@ def main():
         results[mode] = run(mode, args, lengths, out)
     ok = {m: r for m, r in results.items() if not r.get("failed")}
     references = [m for m in args.compare_to.split(",") if m in ok]
-    print(f"\n{args.model} / {args.workload} ({args.nproc} ranks; timed minibatches 2-{args.steps})")
+    print(f"\n{args.model} / {args.workload} ({args.nproc} ranks; timed minibatches 2-{args.steps}; "
+          "'same rows': packed with packed, unpacked with unpacked)")
     print(f"{'mode':<28}{'samples/s/dev':>14}{'tokens/s':>11}{'bubble':>8}{'peak GiB':>9}"
+          + "".join(f"{'vs ' + m + ' same rows':>22}" for m in LIKE_FOR_LIKE)
           + "".join(f"{'vs ' + m:>{max(12, len(m) + 5)}}" for m in references))
     for mode, r in ok.items():
+        like = ""
+        for base in LIKE_FOR_LIKE:
+            twin = like_for_like(mode, base, ok, args.workload)
+            like += f"{r['samples_per_s'] / ok[twin]['samples_per_s']:>21.2f}x" if twin else f"{'-':>22}"
         ratios = "".join(f"{r['samples_per_s'] / ok[m]['samples_per_s']:>{max(12, len(m) + 5) - 1}.2f}x"
                          for m in references)
         print(f"{mode:<28}{r['samples_per_s_per_device']:>14.3f}{r['tokens_per_s']:>11.0f}{r['bubble_rate']:>8.1%}"
-              f"{r['peak_mem_bytes'] / 2**30:>9.1f}{ratios}")
+              f"{r['peak_mem_bytes'] / 2**30:>9.1f}{like}{ratios}")
     profiled = {m: r["profile"] for m, r in ok.items() if r.get("profile")}
     if profiled:
         print(f"\nprofile of one more minibatch (rank 0, not timed above; files in {out}/profile-*)")

@@ -20,7 +20,6 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 
-from ds_odc.training.attention import restrict_sdpa_backends
 from ds_odc.training.collate import PackedCollator
 from ds_odc.balancer.planners import get_planner
 from ds_odc.balancer.sampler import BalancedBatchSampler
@@ -36,7 +35,6 @@ def main():
     parser = sft_argument_parser(__doc__, deepspeed_config=False)
     parser.add_argument("--engine", default="fsdp2", choices=["fsdp2", "plain"])
     args = parser.parse_args()
-    restrict_sdpa_backends(args.sdpa_backends)
     if get_planner(args.balancer).runtime != "collective" and args.engine == "fsdp2":
         raise SystemExit("FSDP2 runs collectives every microbatch: use --balancer local-sort or lb-micro")
     from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
@@ -67,7 +65,7 @@ def main():
     optimizer = torch.optim.AdamW(model.parameters(), lr=1e-5, betas=(0.9, 0.95), fused=cuda)
     lengths, token_ids = samples_from_args(args)
     if cuda:
-        plan_attention(config, args, lengths, device, torch.bfloat16)
+        plan_attention(model, args, lengths, device, torch.bfloat16)
         torch.cuda.empty_cache()
         torch.cuda.reset_peak_memory_stats()  # as sft.py: the peak of training, not of building
 

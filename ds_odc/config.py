@@ -5,16 +5,23 @@ Users write either ``"odc": true`` or a sub-dict::
     "zero_optimization": {"stage": 3, "odc": {"enabled": true, "transport": "auto", "timeout_s": 300}}
 
 The model follows DeepSpeed's own config models (pydantic, ``extra="forbid"``), so a misspelt key inside ``odc`` is
-an error at ``deepspeed.initialize`` (and at ``deepspeed.zero.Init``), like any other ZeRO key.
+an error at ``deepspeed.initialize`` (and at ``deepspeed.zero.Init``), like any other ZeRO key. Errors in the
+``zero_optimization`` block name the key as the ds_config spells it (``zero_optimization.odc.enabld``), and an
+unknown key comes with the closest valid one.
 """
 
 from __future__ import annotations
 
-from typing import Any, Literal
+import difflib
+import typing
+from typing import Any, Literal, Optional, Union
 
 from deepspeed.runtime.config_utils import DeepSpeedConfigModel
 from deepspeed.runtime.zero.config import DeepSpeedZeroConfig
-from pydantic import Field, field_validator, model_validator
+from pydantic import BaseModel, Field, PositiveInt, ValidationError, field_validator, model_validator
+from pydantic_core import PydanticCustomError
+
+__all__ = ["OdcConfig", "OdcZeroConfig", "odc_config_from_ds_config"]
 
 
 class OdcConfig(DeepSpeedConfigModel):
@@ -47,6 +54,14 @@ class OdcConfig(DeepSpeedConfigModel):
     memory. Off: pushes reduce straight into the owner's fp32 accumulator in whatever order they land. The CPU
     transport is always deterministic."""
 
+    shard_size: Optional[Union[PositiveInt, Literal["node"]]] = None
+    """How many ranks share one copy of the model state (parameters, gradients, optimizer state). ``None`` (the
+    default): every rank of the job, as stock ZeRO-3. ``"node"``: the ranks of one node (``LOCAL_WORLD_SIZE``).
+    An integer S that divides the world size W: consecutive ranks ``[g*S, (g+1)*S)`` form shard group ``g``, each
+    holding one shard of the model; the W/S groups hold replicas. Reads and pushes stay inside a shard group, and
+    once per optimizer step each rank's accumulated gradient shard is summed with the other groups' copies of it (one
+    all-reduce over the W/S ranks holding that shard). Each GPU then holds 1/S of the model state instead of 1/W."""
+
     bootstrap: Literal["auto", "uid", "mpi", "mpi-native"] = "auto"
     """GPU only: how NVSHMEM starts. ``uid``: its unique id is sent over torch.distributed; ``mpi``: over mpi4py;
     ``mpi-native``: NVSHMEM's own MPI bootstrap plugin (must match the MPI library in use); ``auto``: ``mpi`` when
@@ -57,6 +72,12 @@ class OdcZeroConfig(DeepSpeedZeroConfig):
     """DeepSpeed's ZeRO config plus the ``odc`` key. Installed in place of ``DeepSpeedZeroConfig`` by ``ds_odc.patch()``."""
 
     odc: OdcConfig = Field(default_factory=lambda: OdcConfig(enabled=False))
+
+    def __init__(self, strict=False, **data):
+        try:
+            super().__init__(strict=strict, **data)
+        except ValidationError as err:
+            raise _as_the_user_wrote_it(err, type(self)) from None
 
     @model_validator(mode="after")
     def _odc_defaults(self):
@@ -74,6 +95,41 @@ class OdcZeroConfig(DeepSpeedZeroConfig):
         if value is None:
             return {"enabled": False}
         return value
+
+
+def _model_at(model: type[BaseModel], path: tuple) -> type[BaseModel] | None:
+    """The config model that validates the dict at ``path`` (keys as written, aliases included) inside ``model``."""
+    for key in path:
+        field = next((f for name, f in model.model_fields.items() if key in (name, f.alias)), None)
+        if field is None:
+            return None
+        found = [t for t in (field.annotation, *typing.get_args(field.annotation))
+                 if isinstance(t, type) and issubclass(t, BaseModel)]
+        if not found:
+            return None
+        model = found[0]
+    return model
+
+
+def _unknown_key(model: type[BaseModel] | None, key: str) -> PydanticCustomError:
+    valid = sorted({k for name, f in model.model_fields.items() for k in (name, f.alias) if k}) if model else []
+    closest = difflib.get_close_matches(key, valid, n=1)
+    message = f"unknown key {key!r}" + (f": did you mean {closest[0]!r}?" if closest else "")
+    if 0 < len(valid) <= 12:
+        message += f" (valid keys here: {', '.join(valid)})"
+    return PydanticCustomError("unknown_key", message)
+
+
+def _as_the_user_wrote_it(err: ValidationError, model: type[BaseModel]) -> ValidationError:
+    """``err`` with every location written from the top of the ds_config (``zero_optimization.odc.enabld``, not
+    pydantic's title naming this internal class) and unknown keys given their closest valid spelling."""
+    details = []
+    for e in err.errors():
+        loc = tuple(e["loc"])
+        kind = _unknown_key(_model_at(model, loc[:-1]), str(loc[-1])) if e["type"] == "extra_forbidden" else e["type"]
+        details.append({"type": kind, "loc": ("zero_optimization", *loc), "input": e["input"],
+                        **({"ctx": e["ctx"]} if "ctx" in e else {})})
+    return ValidationError.from_exception_data("ds_config", details)
 
 
 def odc_config_from_ds_config(ds_config: dict) -> OdcConfig:

@@ -16,7 +16,6 @@ from pathlib import Path
 import torch
 
 import ds_odc  # noqa: F401  (before the model is built: installs the odc config key)
-from ds_odc.training.attention import restrict_sdpa_backends
 from ds_odc.training.collate import PackedCollator
 from ds_odc.balancer.planners import get_planner
 from ds_odc.balancer.sampler import BalancedBatchSampler
@@ -60,7 +59,6 @@ def build_model(args, ds_config: dict, device: torch.device):
 
 def main(argv=None):
     args = parse_args(argv)
-    restrict_sdpa_backends(args.sdpa_backends)
     init_distributed(shared_gpu=args.shared_gpu or None)
     train(args)
     shutdown_and_exit()
@@ -90,7 +88,7 @@ def train(args) -> dict | None:
     params = [p for p in model.parameters() if p.requires_grad]
     engine, *_ = deepspeed.initialize(model=model, model_parameters=params, config=ds_config)
     if device.type == "cuda":
-        plan_attention(model.config, args, lengths, device, next(model.parameters()).dtype)
+        plan_attention(model, args, lengths, device, next(model.parameters()).dtype)
         torch.cuda.empty_cache()
         torch.cuda.reset_peak_memory_stats()  # peak memory of training, not of building the unpartitioned model
 

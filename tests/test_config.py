@@ -44,6 +44,37 @@ def test_other_zero_keys_still_strict():
         get_zero_config({"zero_optimization": {"stage": 3, "odc": True, "no_such_key": 1}})
 
 
+TYPO = {"train_batch_size": 1, "zero_optimization": {"stage": 3, "odc": {"enabld": True}}}
+
+
+def _where_deepspeed_reads_the_config():
+    """The two places DeepSpeed parses a ds_config: ``deepspeed.initialize`` builds a ``DeepSpeedConfig``, and
+    ``zero.Init`` builds one too, first thing (before it needs a process group)."""
+    import deepspeed
+    from deepspeed.runtime.config import DeepSpeedConfig
+
+    def zero_init(config):
+        with deepspeed.zero.Init(config_dict_or_path=config):
+            pass
+    return {"deepspeed.initialize": DeepSpeedConfig, "zero.Init": zero_init}
+
+
+@pytest.mark.parametrize("where", ["deepspeed.initialize", "zero.Init"])
+def test_a_misspelt_odc_key_is_named_as_written_with_the_closest_valid_one(where):
+    with pytest.raises(pydantic.ValidationError) as err:
+        _where_deepspeed_reads_the_config()[where](TYPO)
+    message = str(err.value)
+    assert "zero_optimization.odc.enabld\n" in message and "did you mean 'enabled'?" in message, message
+    assert "OdcZeroConfig" not in message and "validation error for ds_config" in message, message
+    wrong_value = {"zero_optimization": {"stage": 3, "offload_param": {"devicee": "cpu"}, "odc": {"timeout_s": -1}}}
+    with pytest.raises(pydantic.ValidationError) as err:
+        get_zero_config(wrong_value)
+    message = str(err.value)
+    assert "2 validation errors for ds_config" in message, message
+    assert "zero_optimization.offload_param.devicee\n" in message and "did you mean 'device'?" in message, message
+    assert "zero_optimization.odc.timeout_s\n  Input should be greater than 0" in message, message
+
+
 def _engine(**overrides):
     zero = get_zero_config({"zero_optimization": {"stage": 3, "odc": True}})
     config = types.SimpleNamespace(zero_config=zero, activation_checkpointing_config=types.SimpleNamespace(

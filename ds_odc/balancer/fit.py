@@ -27,6 +27,8 @@ import numpy as np
 
 from .lsq import solve, stats_of
 
+__all__ = ["fit", "rank_steps", "automatic_cost", "main"]
+
 COLUMNS = ("a (per token)", "b (per token^2)", "c (per microbatch)", "d (per step)")
 
 

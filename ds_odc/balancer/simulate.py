@@ -2,8 +2,9 @@
 
     python -m ds_odc.balancer.simulate (--lengths FILE | --preset NAME) --ranks R --minibatch-size M \\
         --max-tokens T [--cost tokens|quadratic|fitted] [--microbatch-overhead X] [--plan-cost auto|given|oracle] \\
-        [--steps N] [--seed S] [--planners A,B | --split [--model-config SHAPE] [--sp-efficiency E]
-        [--ranks-per-node N] [--max-group-size G]] [--json] [--plot out.png]
+        [--inter-node-gbs B --sharding flat|node [--tflops F]] [--steps N] [--seed S]
+        [--planners A,B | --split [--model-config SHAPE] [--sp-efficiency E] [--ranks-per-node N]
+        [--max-group-size G]] [--json] [--plot out.png]
 
 For each of ``--steps`` minibatches, ``M * R`` lengths are drawn (``--seed``): from FILE (one length per line;
 without replacement when the file is large enough) or from a preset (see :mod:`ds_odc.balancer.presets`).
@@ -30,10 +31,19 @@ idle in the *work bubble rate*, 1 - (busy - split overhead) / (R * makespan) (th
 planners that do not split). Each plan's step time follows its runtime: under ODC, split samples start when their
 whole group is free, in the plan's order.
 
-The model ignores communication and the optimizer step; it isolates the imbalance a planner leaves. The *balance
-bound* per step is max(fair share, costliest sample alone in a microbatch), the fair share being the minibatch's
-least possible work (its samples plus the fewest microbatches the budget allows) over R: no planner can finish a
-step sooner, so when one sample costs more than the fair share the bound, not the planner, limits the gain.
+**Between nodes** (``--inter-node-gbs B``, GB/s leaving each node; needs ``--model-config`` for the parameter
+count and a cost in seconds: ``--cost fitted``, or ``--cost quadratic --tflops F`` for a GPU sustaining F TFLOP/s):
+the bytes :mod:`ds_odc.balancer.traffic` counts for the ``--sharding`` are charged at B, not overlapped with
+compute. ``flat``: every microbatch's gathers and reductions cross nodes (stock ZeRO-3 under collectives, flat ODC,
+G times the bytes, under ODC); ``node`` (one shard group per node of ``--ranks-per-node`` GPUs): nothing per
+microbatch, one all-reduce of the gradient shards per step (MiCS-style under collectives, hybrid ODC under ODC).
+That time counts as busy, so the bubble stays the time ranks wait for each other.
+
+Otherwise the model ignores communication and the optimizer step; it isolates the imbalance a planner leaves. The
+*balance bound* per step is max(fair share, costliest sample alone in a microbatch), the fair share being the
+minibatch's least possible work (its samples plus the fewest microbatches the budget allows) over R: no planner can
+finish a step sooner, so when one sample costs more than the fair share the bound, not the planner, limits the
+gain (the bound counts compute only).
 """
 
 from __future__ import annotations
@@ -55,6 +65,7 @@ from .plan import Plan, effective_lengths, odc_schedule, step_time
 from .planners import BASELINE_PLANNER, PLANNERS, get_planner, plan_minibatch
 from .presets import MODEL_SHAPES, PRESETS, get_preset
 from .sp import DEFAULT_INTER_NODE_SLOWDOWN, SplitPolicy
+from .traffic import InterNode, parameter_count
 
 __all__ = ["PLAN_COSTS", "WHOLE_SAMPLE_PLANNERS", "StepResult", "Machine", "run_plan", "simulate_step", "simulate",
            "balance_bound", "main"]
@@ -67,10 +78,18 @@ CONVERGED_WINDOW = 5
 
 @dataclass(frozen=True)
 class Machine:
-    """The simulated machine: a microbatch takes ``cost``'s time plus ``overhead``."""
+    """The simulated machine: a microbatch takes ``cost``'s time plus ``overhead``, plus ``internode``'s traffic
+    between nodes (None: not modelled)."""
 
     cost: CostModel
     overhead: float = 0.0
+    internode: InterNode | None = None
+
+    def communication(self, sync: str) -> tuple[float, float]:
+        """(seconds per microbatch, seconds per step) spent moving data between nodes under ``sync``."""
+        if self.internode is None:
+            return 0.0, 0.0
+        return self.internode.per_microbatch(sync), self.internode.per_step(sync)
 
     @property
     def truth(self) -> FittedCost:
@@ -92,16 +111,19 @@ class StepResult:
     sq_tokens: np.ndarray | None = None
     splits: tuple = ()  # the split samples (ds_odc.balancer.plan.SplitSample), in execution order
     split_overhead: float = 0.0  # busy time the groups spent beyond the split samples' cost trained whole
+    internode: np.ndarray | None = None  # per rank, time spent moving data between nodes (in busy)
 
 
 def run_plan(name: str, plan: Plan, lengths: Sequence[int], machine: Machine) -> StepResult:
     """Time ``plan`` on ``machine``."""
-    mbc = [[t + machine.overhead for t in r] for r in plan.microbatch_costs(machine.cost, lengths)]
+    runtime = get_planner(name).runtime
+    per_mb, per_step = machine.communication(runtime)
+    mbc = [[t + machine.overhead + per_mb for t in r] for r in plan.microbatch_costs(machine.cost, lengths)]
     tokens, sq_tokens = plan.rank_loads(lengths)  # a group member counts its share of a split sample
     split_overhead = 0.0  # what the groups spent beyond the split samples' cost trained whole on one rank
     if plan.splits:
         eff, sq = plan.trained_lengths(lengths)
-        alone = machine.cost.sample_costs(eff, sq) + machine.truth.per_microbatch
+        alone = machine.cost.sample_costs(eff, sq) + machine.truth.per_microbatch + per_mb
         seen = [0] * plan.world_size  # a member's split samples are its first microbatches, in plan order
         for s in plan.splits:
             spent = math.fsum(mbc[r][seen[r]] for r in s.ranks)
@@ -110,8 +132,8 @@ def run_plan(name: str, plan: Plan, lengths: Sequence[int], machine: Machine) ->
             split_overhead += spent - float(alone[s.index])
     return StepResult(
         planner=name,
-        busy=np.array([math.fsum(r) for r in mbc]),
-        step_time=step_time(mbc, get_planner(name).runtime, plan.splits),
+        busy=np.array([math.fsum(r) + per_step for r in mbc]),
+        step_time=step_time(mbc, runtime, plan.splits) + per_step,
         num_microbatches=np.array([len(r) for r in plan.microbatches]),
         truncated=len(plan.truncated),
         skipped=len(plan.skipped),
@@ -120,6 +142,7 @@ def run_plan(name: str, plan: Plan, lengths: Sequence[int], machine: Machine) ->
         sq_tokens=sq_tokens,
         splits=plan.splits,
         split_overhead=split_overhead,
+        internode=np.array([per_mb * len(r) + per_step for r in mbc]),
     )
 
 
@@ -133,12 +156,13 @@ def simulate_step(
     microbatch_overhead: float = 0.0,
     plan_cost: "CostModel | dict[str, CostModel] | None" = None,
     split: SplitPolicy | None = None,
+    internode: InterNode | None = None,
 ) -> dict[str, StepResult]:
     """Plan one minibatch with each planner and time it under the planner's sync mode.
 
-    ``cost`` and ``microbatch_overhead`` are the machine (see the module docstring); ``plan_cost`` what the planners
-    plan with (one model, or one per planner; default: ``cost``, blind to the overhead)."""
-    machine = Machine(get_cost_model(cost), microbatch_overhead)
+    ``cost``, ``microbatch_overhead`` and ``internode`` are the machine (see the module docstring); ``plan_cost``
+    what the planners plan with (one model, or one per planner; default: ``cost``, blind to the overhead)."""
+    machine = Machine(get_cost_model(cost), microbatch_overhead, internode)
     out = {}
     for name in planners:
         known = plan_cost.get(name) if isinstance(plan_cost, dict) else plan_cost
@@ -200,6 +224,7 @@ def simulate(
     plan_cost: str = "given",
     noise: float = 0.0,
     split: SplitPolicy | None = None,
+    internode: InterNode | None = None,
 ) -> dict:
     """Run ``steps`` minibatches; ``source`` is a preset name or a pool of lengths.  Returns the JSON summary.
 
@@ -211,7 +236,7 @@ def simulate(
     if plan_cost not in PLAN_COSTS:
         raise ValueError(f"unknown plan_cost {plan_cost!r}; choose one of {PLAN_COSTS}")
     planners = list(planners)
-    machine = Machine(get_cost_model(cost), microbatch_overhead)
+    machine = Machine(get_cost_model(cost), microbatch_overhead, internode)
     pool = source if isinstance(source, str) else np.asarray(source, dtype=np.int64)
     rng = np.random.default_rng(seed)
     noise_rng = np.random.default_rng([seed, 1])
@@ -233,10 +258,10 @@ def simulate(
         else:
             known = machine.truth if plan_cost == "oracle" else machine.cost
         res = simulate_step(lengths, ranks, max_tokens, machine.cost, planners, oversize, machine.overhead, known,
-                            split)
+                            split, internode)
         if plan_cost == "auto":
             best = simulate_step(lengths, ranks, max_tokens, machine.cost, planners, oversize, machine.overhead,
-                                 machine.truth, split)
+                                 machine.truth, split, internode)
             for p, r in res.items():
                 oracle[p].append(best[p])
                 measured = r.busy * (1.0 + noise * noise_rng.standard_normal(r.busy.size)) if noise else r.busy
@@ -274,6 +299,7 @@ def simulate(
             "balance_bound_step_time": bound_time / steps,
             "balance_bound_bubble_rate": max(0.0, 1.0 - least_busy / (ranks * bound_time)) if bound_time > 0 else 0.0,
             "steps_with_dominant_sample": dominant,
+            "internode_time_per_rank": sum(float(r.internode.mean()) for r in runs[p]) / steps,
         }
         if plan_cost == "auto":
             summary[p].update(_convergence(runs[p], oracle[p], fits[p], machine))
@@ -383,7 +409,7 @@ def _model_config(spec: str) -> dict:
     except FileNotFoundError:
         pass
     if spec in MODEL_SHAPES:
-        return dict(MODEL_SHAPES[spec])
+        return dict(MODEL_SHAPES[spec], model_type="qwen2")  # the shapes are Qwen2.5's
     raise SystemExit(f"--model-config {spec!r}: neither a JSON file nor a known model shape {sorted(MODEL_SHAPES)}")
 
 
@@ -434,13 +460,22 @@ def main(argv: Sequence[str] | None = None) -> int:
     ap.add_argument("--sp-efficiency", type=float, default=0.8,
                     help="with --split: a sample split g ways takes 1/(g*E) of its time per member (default 0.8)")
     ap.add_argument("--ranks-per-node", type=int, default=8,
-                    help="with --split: ranks that share a node's fast links; a group's exchange across nodes costs "
-                         "--inter-node-slowdown times more (default 8)")
+                    help="GPUs per node (default 8): with --split, a group's exchange across nodes costs "
+                         "--inter-node-slowdown times more; the node of --inter-node-gbs")
     ap.add_argument("--max-group-size", type=int, default=None,
                     help="with --split: the most ranks one sample is split over (default: --ranks)")
     ap.add_argument("--inter-node-slowdown", type=float, default=DEFAULT_INTER_NODE_SLOWDOWN,
                     help=f"with --split: how much longer a byte takes between nodes than inside one (default "
                          f"{DEFAULT_INTER_NODE_SLOWDOWN:g})")
+    ap.add_argument("--inter-node-gbs", type=float, metavar="B",
+                    help="charge the traffic between nodes at B GB/s per node (each way); needs --model-config and a "
+                         "cost in seconds (--cost fitted, or --cost quadratic with --tflops)")
+    ap.add_argument("--sharding", default="flat", choices=["flat", "node"],
+                    help="with --inter-node-gbs: flat (stock ZeRO-3 / flat ODC) or one shard group per node "
+                         "(MiCS-style / hybrid ODC)")
+    ap.add_argument("--tflops", type=float, metavar="F",
+                    help="with --cost quadratic: the GPU sustains F TFLOP/s, so costs (and --microbatch-overhead) "
+                         "are in seconds")
     args = ap.parse_args(argv)
 
     try:
@@ -458,6 +493,22 @@ def main(argv: Sequence[str] | None = None) -> int:
             ap.error("--cost quadratic derives a*L + b*L^2 from a model's shape: add --model-config CONFIG.json "
                      "(or a shape name such as qwen2.5-1.5b)")
         cost = QuadraticCost.from_hf_config(_model_config(args.model_config))
+        if args.tflops:
+            a, b, c = cost.coefficients()
+            rate = args.tflops * 1e12
+            cost = QuadraticCost(a=a / rate, b=b / rate, c=c / rate)
+    internode = None
+    if args.inter_node_gbs:
+        if not args.model_config:
+            ap.error("--inter-node-gbs counts bytes from the model's parameters: add --model-config")
+        if not (args.cost == "fitted" or (args.cost == "quadratic" and args.tflops)):
+            ap.error("--inter-node-gbs charges seconds: use --cost fitted (seconds) or --cost quadratic --tflops F")
+        try:
+            internode = InterNode(params=parameter_count(_model_config(args.model_config)), ranks=args.ranks,
+                                  gpus_per_node=args.ranks_per_node, bandwidth=args.inter_node_gbs * 1e9,
+                                  sharding=args.sharding)
+        except ValueError as e:
+            ap.error(str(e))
     planners = tuple(args.planners.split(",")) if args.planners else WHOLE_SAMPLE_PLANNERS
     if args.split:
         planners += tuple(p for p in splitting if p not in planners)
@@ -477,7 +528,8 @@ def main(argv: Sequence[str] | None = None) -> int:
                            max_tokens=args.max_tokens or None, cost=cost, steps=args.steps, seed=args.seed,
                            oversize=args.oversize, keep_steps=bool(args.plot),
                            microbatch_overhead=args.microbatch_overhead, in_order=args.in_order,
-                           plan_cost=args.plan_cost, noise=args.noise, planners=planners, split=split)
+                           plan_cost=args.plan_cost, noise=args.noise, planners=planners, split=split,
+                           internode=internode)
     except ValueError as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
@@ -495,17 +547,22 @@ def main(argv: Sequence[str] | None = None) -> int:
 
 def _print_table(summary: dict, args: argparse.Namespace, seconds: float) -> None:
     src_name = f"preset {args.preset}" if args.preset else args.lengths
+    network = (f" inter-node={args.inter_node_gbs:g} GB/s/node sharding={args.sharding} "
+               f"G={args.ranks_per_node}" if args.inter_node_gbs else "")
     print(f"{src_name}: R={args.ranks} M={args.minibatch_size} T={args.max_tokens} cost={args.cost} "
-          f"overhead={args.microbatch_overhead:g} plans={args.plan_cost} steps={args.steps} seed={args.seed} "
-          f"({seconds:.1f} s)")
+          f"overhead={args.microbatch_overhead:g} plans={args.plan_cost} steps={args.steps} seed={args.seed}"
+          f"{network} ({seconds:.1f} s)")
     auto = args.plan_cost == "auto"
     print(f"{'planner':<11} {'sync':<10} {'bubble':>7} {'work bubble':>11} {'step time':>12} {'speedup':>8} "
-          f"{'mb/rank':>12}" + (f" {'oracle step':>12} {'within 2% from step':>20}" if auto else ""))
+          f"{'mb/rank':>12}" + (f" {'inter-node':>11}" if args.inter_node_gbs else "")
+          + (f" {'oracle step':>12} {'within 2% from step':>20}" if auto else ""))
     for p, s in summary.items():
         line = (f"{p:<11} {s['sync']:<10} {s['bubble_rate']:>7.2%} {s['work_bubble_rate']:>11.2%} "
                 f"{s['step_time']:>12.4g} "
                 f"{s['speedup_vs_local_sort'] or 0:>7.3f}x {s['microbatches_per_rank_mean']:>5.2f} "
                 f"[{s['microbatches_per_rank_min']}-{s['microbatches_per_rank_max']}]")
+        if args.inter_node_gbs:
+            line += f" {s['internode_time_per_rank']:>11.4g}"
         if auto:
             conv = s["converged_step"]
             line += f" {s['oracle_step_time']:>12.4g} {'never' if conv is None else conv:>20}"

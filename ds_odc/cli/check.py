@@ -7,6 +7,8 @@ import json
 import sys
 from pathlib import Path
 
+__all__ = ["check", "main"]
+
 
 def check(ds_config: dict) -> dict:
     """The resolved ``odc`` block of ``ds_config`` (raises pydantic's ValidationError naming a bad key).

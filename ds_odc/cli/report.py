@@ -18,6 +18,8 @@ import sys
 import textwrap
 from dataclasses import dataclass
 
+__all__ = ["main", "render", "field_docs", "odc_defaults"]
+
 WIDTH = 34  # name column, dots included
 
 
@@ -68,7 +70,7 @@ def versions() -> list[Check]:
     import torch
 
     import ds_odc
-    from ds_odc.zero._deepspeed_privates import SUPPORTED
+    from ds_odc.zero import SUPPORTED_DEEPSPEED as SUPPORTED
 
     cuda = f", CUDA {torch.version.cuda}" if torch.version.cuda else ", CPU-only build"
     deepspeed = _installed("deepspeed")
@@ -88,8 +90,8 @@ def versions() -> list[Check]:
 
 # -- what can run --------------------------------------------------------------------------------------------------------
 def shm_check() -> Check:
-    from ds_odc.ops.shm import _shm_dir
-    where = _shm_dir()
+    from ds_odc.ops.shm import shm_dir
+    where = shm_dir()
     try:
         stats = os.statvfs(where)
     except OSError as err:

@@ -12,12 +12,15 @@ the one that left last.
 from __future__ import annotations
 
 import os
+import socket
 import threading
 from datetime import timedelta
 
 import torch.distributed as dist
 
 from ds_odc.ops.transport import FenceTimeout
+
+__all__ = ["Meeting", "control_group"]
 
 _STORE_REPLY_S = 5.0  # how long the post-mortem may wait for the store when a meeting has already failed
 _WATCH_AFTER_S = 1.0  # a meeting still waiting after this long starts reading who has arrived
@@ -33,35 +36,58 @@ def control_group(process_group=None):
     return dist.new_group(ranks=ranks, backend="gloo")
 
 
-class Meeting:
-    """Collective arrival of the ranks of ``process_group`` with a timeout (collective to construct)."""
+def reachable_address() -> str:
+    """An address of this host that the job's other hosts can reach: ``MASTER_ADDR`` on the rank that hosts it, else
+    this host's address on the route towards it."""
+    master = os.environ.get("MASTER_ADDR", "127.0.0.1")
+    if dist.get_rank() == 0:
+        return master
+    try:
+        family, kind, _, _, where = socket.getaddrinfo(master, 9, type=socket.SOCK_DGRAM)[0]
+        with socket.socket(family, kind) as probe:
+            probe.connect(where)  # a datagram socket sends nothing on connect: this only picks the interface
+            return probe.getsockname()[0]
+    except OSError:
+        return socket.gethostname()
 
-    def __init__(self, process_group=None, timeout_s: float = 300.0):
-        self.group = control_group(process_group)
+
+class Meeting:
+    """Collective arrival of the ranks of ``process_group`` with a timeout (collective to construct).
+
+    ``control``: a gloo group over the same ranks, when the caller has one (a group over part of the job must be
+    created by every rank of the job at once, so it cannot be made here)."""
+
+    def __init__(self, process_group=None, timeout_s: float = 300.0, control=None):
+        self.group = control_group(process_group) if control is None else control
         self.rank = dist.get_rank(self.group)
         self.world_size = dist.get_world_size(self.group)
+        # errors name ranks as the job numbers them, whatever part of the job meets here
+        self.job_ranks = (list(range(self.world_size)) if self.group is None else
+                          [dist.get_global_rank(self.group, r) for r in range(self.world_size)])
         self.timeout_s = timeout_s
         self.arrivals = 0
         self.store = self._open_store()
 
     def _open_store(self):
         """A TCP store on the group's first rank, where each rank posts how many meetings it has reached. Optional: if
-        it cannot be opened (no reachable address), meetings still time out, naming no ranks."""
-        host = os.environ.get("MASTER_ADDR", "127.0.0.1")
-        store, port = None, [None]
+        it cannot be opened (no reachable address), meetings still time out, naming no ranks. The group's first rank
+        need not be the job's (a shard group on another node), so it sends its own address with the port."""
+        store, where = None, [None]
         if self.rank == 0:
             try:
+                host = reachable_address()
                 store = dist.TCPStore(host, 0, None, True, timedelta(seconds=self.timeout_s), wait_for_workers=False)
-                port = [store.port]
+                where = [(host, store.port)]
             except Exception:  # noqa: BLE001 - the store only improves error messages
                 store = None
         first = dist.get_global_rank(self.group, 0) if self.group is not None else 0
-        dist.broadcast_object_list(port, src=first, group=self.group)
-        if port[0] is None:
+        dist.broadcast_object_list(where, src=first, group=self.group)
+        if where[0] is None:
             return None
         try:
             if store is None:
-                store = dist.TCPStore(host, port[0], None, False, timedelta(seconds=self.timeout_s))
+                host, port = where[0]
+                store = dist.TCPStore(host, port, None, False, timedelta(seconds=self.timeout_s))
             store.set(self._key(self.rank), "0")
         except Exception:  # noqa: BLE001
             store = None
@@ -88,30 +114,33 @@ class Meeting:
             missing = self.missing(seen)
             who = f"ranks {missing} did not arrive" if missing else "a peer did not arrive or died"
             raise FenceTimeout(
-                f"ds_odc: rank {self.rank}: {what} did not complete within {timeout:g} s: {who}. Look at the logs of "
-                f"those ranks; if their minibatch is legitimately longer, raise zero_optimization.odc.timeout_s. "
+                f"ds_odc: rank {self.job_ranks[self.rank]}: {what} did not complete within {timeout:g} s: {who}. "
+                f"Look at the logs of those ranks; if their minibatch is legitimately longer, raise "
+                f"zero_optimization.odc.timeout_s. "
                 f"(backend said: {str(err).strip()[:300]})", missing) from err
         if watch is not None:
             watch.stop()
 
     def counts(self, reply_s: float | None = None) -> dict[int, int]:
-        """Every rank's posted arrival count (raises if the store does not answer)."""
+        """Every rank's posted arrival count, by rank in this group (raises if the store does not answer)."""
         if reply_s is not None:
             self.store.set_timeout(timedelta(seconds=reply_s))
         return {r: int(self.store.get(self._key(r))) for r in range(self.world_size)}
 
     def missing(self, seen: dict[int, int] | None = None) -> list[int]:
-        """Ranks whose posted arrival count is behind this rank's (empty when that cannot be told). When the store
-        no longer answers, the counts ``seen`` while waiting tell; without them, the store's host is named."""
+        """Ranks (of the job) whose posted arrival count is behind this rank's (empty when that cannot be told).
+        When the store no longer answers, the counts ``seen`` while waiting tell; without them, the store's host is
+        named."""
         if self.store is None:
             return []
         try:
             counts = self.counts(reply_s=_STORE_REPLY_S)
         except Exception:  # noqa: BLE001 - the store's host may be the rank that died, or left after failing
             if seen is None:
-                return [0] if self.rank != 0 else []
+                return [self.job_ranks[0]] if self.rank != 0 else []
             counts = seen
-        return [r for r in range(self.world_size) if r != self.rank and counts.get(r, 0) < self.arrivals]
+        return [self.job_ranks[r] for r in range(self.world_size)
+                if r != self.rank and counts.get(r, 0) < self.arrivals]
 
 
 class _Watch:

@@ -33,6 +33,8 @@ from ds_odc.ops.nvshmem_runtime import ensure_runtime
 from ds_odc.ops.transport import (GatherPlan, OdcError, ScatterPlan, Segment, SymmetricBuffer, Transport,
                                   out_layout)
 
+__all__ = ["NvshmemTransport"]
+
 _SRC_DTYPES = {torch.float32: 0, torch.bfloat16: 1, torch.float16: 2}
 _P2P_MODES = {"atomic-scalar": 0, "atomic": 1, "staging": 2}  # odc_scatter_add_p2p's modes
 _RMA_CTAS = 264  # device-initiated transfers need many CTAs in flight (2 per SM on H100/H200)
@@ -99,22 +101,29 @@ class NvshmemTransport(Transport):
     name = "nvshmem"
 
     def __init__(self, process_group=None, timeout_s: float = 300.0, force_remote_path: bool = False,
-                 scatter_method: str = "atomic", bootstrap: str = "auto"):
+                 scatter_method: str = "atomic", bootstrap: str = "auto", control=None, job_control=None):
         """``scatter_method`` (peer-pointer path only): "atomic" (vector fp32 reductions), "atomic-scalar", or
         "staging" (deterministic: read-modify-write of per-source slots through peer views; the ``deterministic``
-        config key). The RMA path always stages. ``bootstrap``: how NVSHMEM comes up (see nvshmem_runtime)."""
-        self.meet = Meeting(process_group, timeout_s)
+        config key). The RMA path always stages. ``bootstrap``: how NVSHMEM comes up (see nvshmem_runtime).
+
+        ``process_group`` may be part of the job (a shard group): reads and pushes then reach only its ranks, while
+        NVSHMEM's own collective calls (bring-up, every allocation) still span every process, so every rank of the
+        job allocates the same buffers in the same order, and what decides their sizes is agreed over
+        ``job_control`` (a gloo group over every rank; ``control``: one over ``process_group``'s ranks)."""
+        self.meet = Meeting(process_group, timeout_s, control)
         super().__init__(self.meet.rank, self.meet.world_size, timeout_s)
-        if self.world_size != dist.get_world_size():
-            raise OdcError("ds_odc: the nvshmem transport spans the whole job (NVSHMEM allocations are collective over "
-                           f"every process), but the process group has {self.world_size} of {dist.get_world_size()} "
-                           "ranks. Use the world group for ODC.")
         if not torch.cuda.is_available():
             raise OdcError("ds_odc: the nvshmem transport needs CUDA; set zero_optimization.odc.transport to 'shm'.")
-        group = self.meet.group
-        self.group = group
+        if self.world_size == dist.get_world_size():
+            self.job = self.meet.group
+        elif job_control is not None or dist.get_backend() == "gloo":
+            self.job = job_control  # None: the default group, gloo already
+        else:
+            raise OdcError("ds_odc: an nvshmem transport over part of the job needs a gloo group over the whole job "
+                           "(job_control): NVSHMEM's allocations are collective over every process")
         self.device = torch.device("cuda", torch.cuda.current_device())
-        self.pes = [dist.get_global_rank(group, r) if process_group is not None else r for r in range(self.world_size)]
+        # NVSHMEM numbers PEs as the job numbers ranks: rank r of this group is PE pes[r]
+        self.pes = list(self.meet.job_ranks)
         self.force_remote_path = force_remote_path
         if scatter_method not in _P2P_MODES:
             raise OdcError(f"ds_odc: scatter method {scatter_method!r}; use one of {sorted(_P2P_MODES)}")
@@ -131,14 +140,15 @@ class NvshmemTransport(Transport):
 
     # -- bring-up and allocation --------------------------------------------------------------------------------------
     def _start(self, first_bytes: int) -> None:
-        runtime = ensure_runtime(self.group, first_bytes, self.bootstrap)
+        runtime = ensure_runtime(self.job, first_bytes, self.bootstrap)
         self.lib, self.my_pe = runtime.lib, runtime.my_pe
         if not self.remote:
-            # Probe reachability once; every rank must take the same path, so agree on it.
+            # Probe reachability once; every rank of the job must take the same path (it decides which buffers are
+            # allocated, and allocations are collective over the job), so agree on it.
             probe = _Allocation(self, _MIN_ALLOC)
             self._allocations.append(probe)
             reachable = torch.tensor([int(all(probe.peer))], dtype=torch.int32)
-            dist.all_reduce(reachable, op=dist.ReduceOp.MIN, group=self.group)
+            dist.all_reduce(reachable, op=dist.ReduceOp.MIN, group=self.job)
             self.remote = not bool(reachable.item())
         self._rma_chunk = self.lib.rma_chunk_elems()
 
@@ -146,7 +156,7 @@ class NvshmemTransport(Transport):
         # Agree that everyone can afford it before the collective malloc: a rank failing alone would hang the others.
         free, _ = torch.cuda.mem_get_info(self.device)
         ok = torch.tensor([int(nbytes <= free)], dtype=torch.int32)
-        dist.all_reduce(ok, op=dist.ReduceOp.MIN, group=self.group)
+        dist.all_reduce(ok, op=dist.ReduceOp.MIN, group=self.job)
         ptr = self.lib.malloc(nbytes) if ok.item() else 0
         if not ptr:
             raise OdcError(

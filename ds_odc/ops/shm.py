@@ -16,6 +16,7 @@ import atexit
 import glob
 import mmap
 import os
+import socket
 import tempfile
 import uuid
 from dataclasses import dataclass, field
@@ -25,10 +26,13 @@ import torch
 import torch.distributed as dist
 
 from ds_odc.ops.meeting import Meeting
-from ds_odc.ops.transport import GatherPlan, ScatterPlan, Segment, SymmetricBuffer, Transport, out_layout
+from ds_odc.ops.transport import GatherPlan, OdcError, ScatterPlan, Segment, SymmetricBuffer, Transport, out_layout
+
+__all__ = ["ShmTransport", "shm_dir"]
 
 
-def _shm_dir() -> str:
+def shm_dir() -> str:
+    """Where the buffers' files live: /dev/shm (memory) when writable, else the temporary folder."""
     return "/dev/shm" if os.path.isdir("/dev/shm") and os.access("/dev/shm", os.W_OK) else tempfile.gettempdir()
 
 
@@ -65,14 +69,21 @@ class ShmScatterPlan(ScatterPlan):
 class ShmTransport(Transport):
     name = "shm"
 
-    def __init__(self, process_group=None, timeout_s: float = 300.0):
-        self.meet = Meeting(process_group, timeout_s)
+    def __init__(self, process_group=None, timeout_s: float = 300.0, control=None):
+        """``control``: a gloo group over the ranks of ``process_group`` for meetings (default: made from it)."""
+        self.meet = Meeting(process_group, timeout_s, control)
         super().__init__(self.meet.rank, self.meet.world_size, timeout_s)
         group = self.meet.group
+        hosts = [None] * self.world_size
+        dist.all_gather_object(hosts, socket.gethostname(), group=group)
+        if len(set(hosts)) > 1:
+            raise OdcError(f"ds_odc: the shm transport shares memory between the ranks of one host, but this group of "
+                           f"ranks {self.meet.job_ranks} runs on {sorted(set(hosts))}. Set zero_optimization.odc."
+                           "shard_size to \"node\" (one shard group per host), or use the nvshmem transport.")
         tag = [f"ds_odc-{os.getpid()}-{uuid.uuid4().hex[:12]}"] if self.rank == 0 else [None]
         dist.broadcast_object_list(tag, src=dist.get_global_rank(group, 0) if group is not None else 0, group=group)
         self.tag = tag[0]
-        self.dir = _shm_dir()
+        self.dir = shm_dir()
         self._count = 0
         self._pending_unlink: set[str] = set()
         atexit.register(self._unlink_pending)

@@ -33,6 +33,9 @@ from typing import Sequence
 
 import torch
 
+__all__ = ["Transport", "SymmetricBuffer", "Segment", "GatherPlan", "ScatterPlan", "OdcError", "FenceTimeout",
+           "out_layout"]
+
 
 class OdcError(RuntimeError):
     """Base class for ds_odc runtime errors."""

@@ -75,8 +75,9 @@ def sft_argument_parser(description: str | None = None, deepspeed_config: bool =
     p.add_argument("--loss-chunk-tokens", type=int, default=4096,
                    help="compute the loss this many positions at a time, never the full logits (0: full logits)")
     p.add_argument("--sdpa-backends", default=None,
-                   help="comma list of the sdpa kernels torch may pick from (flash, efficient, cudnn, math); default: "
-                        "all. cuDNN plans each new sequence length on the host, which variable lengths pay for")
+                   help="comma list of the sdpa kernels torch may pick from inside the model (flash, efficient, cudnn, "
+                        "math); default: all. cuDNN plans each new sequence length on the host, which variable lengths "
+                        "pay for")
     p.add_argument("--gradient-checkpointing", action="store_true")
     p.add_argument("--zero-init", action="store_true",
                    help="build the model partitioned with deepspeed.zero.Init (GPU; fails on CPU with torch 2.13)")
@@ -138,8 +139,9 @@ def attention_from_args(args: argparse.Namespace) -> str:
 
 
 def prepare_model(model: torch.nn.Module, args: argparse.Namespace) -> torch.nn.Module:
-    """The model options of the flags: attention kernel, chunked loss, activation checkpointing."""
-    attention.set_kernel(args.attention_kernel)
+    """The model options of the flags: attention kernel and sdpa backends, chunked loss, activation checkpointing."""
+    attention.use_kernel(model, args.attention_kernel)
+    attention.limit_sdpa_backends(model, args.sdpa_backends)
     if args.loss_chunk_tokens:
         use_chunked_loss(model, chunk_tokens=args.loss_chunk_tokens)
     if args.gradient_checkpointing:
@@ -154,14 +156,14 @@ def on_device(row: Mapping[str, Any], device: torch.device) -> dict[str, Any]:
     return moved
 
 
-def plan_attention(model_config, args: argparse.Namespace, lengths, device: torch.device,
+def plan_attention(model: torch.nn.Module, args: argparse.Namespace, lengths, device: torch.device,
                    dtype: torch.dtype) -> None:
     """Before the first step: plan the ``bucketed`` attention shapes the run can meet (up to its longest row), so
     the first minibatches do not pay cuDNN's planning. Prints one line on rank 0."""
     if args.attn_implementation != attention.ATTENTION_NAME or device.type != "cuda":
         return
     longest = max(int(max(lengths)), args.max_tokens or 0)
-    shapes, seconds = attention.plan_buckets(model_config, longest, device, dtype)
+    shapes, seconds = attention.plan_buckets(model, longest, device, dtype)
     if shapes and (not torch.distributed.is_initialized() or torch.distributed.get_rank() == 0):
         print(f"ds_odc_varlen: planned {shapes} bucketed attention shapes up to {longest} tokens in {seconds:.1f} s",
               flush=True)

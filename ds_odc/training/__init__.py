@@ -6,3 +6,5 @@ ranks (``sequence_parallel``), the global-mean loss under uneven microbatch coun
 Each module is imported on its own (``import ds_odc.training.attention`` registers an attention implementation
 with transformers, so nothing here is imported by the package itself).
 """
+
+__all__: list[str] = []  # nothing: each module is imported on its own

@@ -1,25 +1,27 @@
 """Attention over padding-free rows: each document attends only to itself, at the cost of its own length.
 
-``import ds_odc.training.attention`` registers ``attn_implementation="ds_odc_varlen"`` with transformers. A row packs several
-documents (``PackedCollator``, transformers' ``DataCollatorWithFlattening``, TRL's ``padding_free=True``); their
-boundaries come, in this order of preference, from
+``import ds_odc.training.attention`` registers ``attn_implementation="ds_odc_varlen"`` with transformers. A row packs
+several documents (``PackedCollator``, transformers' ``DataCollatorWithFlattening``, TRL's ``padding_free=True``);
+their boundaries come, in this order of preference, from
 
 * ``cu_seq_lens_q`` / ``max_length_q`` (the flash-attention keyword arguments those collators return: passed to the
   model, they reach every attention call without any host work per layer), or
 * ``position_ids`` that restart (a new document wherever the position does not grow by one), computed once per
   forward and reused by every layer and by the recomputation of activation checkpointing.
 
-Kernels (:func:`set_kernel`): ``"varlen"`` is torch's ``torch.nn.attention.varlen.varlen_attn`` (the flash kernel
-over all documents of the row in one launch; CUDA, fp16/bf16; grouped-query attention without repeating k/v; no
-per-shape planning on the host, unlike cuDNN's sdpa). ``"sdpa"`` runs ``scaled_dot_product_attention`` once per
-document (any device and dtype; on CPU the same computation as the model on each document alone). ``"bucketed"``
-runs each long document (``long_document`` tokens or more) through sdpa padded at its end to one of a few bucket
-lengths (at most 12.5% longer; exact under the causal mask, since no real token attends to a later one), so that a
-kernel that plans per shape (cuDNN's, the fastest on Hopper for long documents) plans once per bucket instead of
-once per length; the shorter documents between them go together through ``varlen`` (``sdpa`` per document where
-``varlen`` cannot run). ``"auto"`` (default): ``bucketed`` on a GPU where ``varlen`` runs, else ``sdpa``.
+Kernels, chosen per model (:func:`use_kernel`): ``"varlen"`` is torch's ``torch.nn.attention.varlen.varlen_attn``
+(the flash kernel over all documents of the row in one launch; CUDA, fp16/bf16; grouped-query attention without
+repeating k/v; no per-shape planning on the host, unlike cuDNN's sdpa). ``"sdpa"`` runs
+``scaled_dot_product_attention`` once per document (any device and dtype; on CPU the same computation as the model
+on each document alone). ``"bucketed"`` runs each long document (``long_document`` tokens or more) through sdpa
+padded at its end to one of a few bucket lengths (at most 12.5% longer; exact under the causal mask, since no real
+token attends to a later one), so that a kernel that plans per shape (cuDNN's, the fastest on Hopper for long
+documents) plans once per bucket instead of once per length; the shorter documents between them go together through
+``varlen`` (``sdpa`` per document where ``varlen`` cannot run). ``"auto"`` (default): ``bucketed`` on a GPU where
+``varlen`` runs, else ``sdpa``.
 
-``restrict_sdpa_backends``: limit the kernels torch's ``scaled_dot_product_attention`` may choose from.
+:func:`limit_sdpa_backends`: the kernels torch's ``scaled_dot_product_attention`` may choose from inside one model's
+attention layers (any attention implementation), leaving the rest of the process alone.
 """
 
 from __future__ import annotations
@@ -34,18 +36,18 @@ from typing import Any, Literal
 
 import torch
 import torch.nn.functional as F
+from torch.nn.attention import SDPBackend, sdpa_kernel
 from torch.utils.weak import WeakTensorKeyDictionary
 
-__all__ = ["ATTENTION_NAME", "DocumentBoundaries", "register", "set_kernel", "kernel_for", "varlen_attention_forward",
-           "boundaries_from_position_ids", "bucket_length", "bucket_lengths", "plan_buckets",
-           "remember_host_boundaries", "restrict_sdpa_backends", "mask_for_varlen"]
+__all__ = ["ATTENTION_NAME", "LONG_DOCUMENT", "KernelChoice", "DocumentBoundaries", "register", "use_kernel",
+           "kernel_choice", "varlen_attention_forward", "mask_for_varlen", "boundaries_from_position_ids",
+           "bucket_length", "bucket_lengths", "plan_buckets", "remember_host_boundaries", "limit_sdpa_backends"]
 
 ATTENTION_NAME = "ds_odc_varlen"
 Kernel = Literal["auto", "varlen", "sdpa", "bucketed"]
 _KERNELS = ("auto", "varlen", "sdpa", "bucketed")
-_kernel: Kernel = "auto"
 LONG_DOCUMENT = 6144  # tokens; where cuDNN's sdpa per document overtook varlen on an H200 (benchmarks/attention.py)
-_long_document = LONG_DOCUMENT
+_CHOICE = "ds_odc_attention_kernel"  # the attribute use_kernel() sets on a model's modules
 
 
 @dataclass(frozen=True)
@@ -146,28 +148,50 @@ def _varlen_runs(query: torch.Tensor) -> bool:
     return query.is_cuda and query.dtype in (torch.float16, torch.bfloat16) and _varlen_kernel()[0] is not None
 
 
-def kernel_for(query: torch.Tensor, causal: bool = True) -> str:
-    """The kernel :func:`varlen_attention_forward` uses for this query under the current :func:`set_kernel` choice."""
-    if _kernel == "varlen" and not _varlen_runs(query):
-        raise ValueError(f"ds_odc_varlen: the 'varlen' kernel needs torch.nn.attention.varlen (torch >= 2.10), a CUDA "
-                         f"device and fp16/bf16; got {query.device} {query.dtype}. Use set_kernel('auto') or 'sdpa'.")
-    if _kernel == "auto":
-        return "bucketed" if causal and _varlen_runs(query) else "sdpa"
-    if _kernel == "bucketed" and not causal:  # padding is exact only when no real token sees the padding
-        return "varlen" if _varlen_runs(query) else "sdpa"
-    return _kernel
-
-
-def set_kernel(kernel: Kernel, long_document: int = LONG_DOCUMENT) -> None:
-    """Choose the kernel of ``ds_odc_varlen`` for the process: ``"auto"``, ``"varlen"``, ``"sdpa"`` or
-    ``"bucketed"``; ``long_document``: from this length on, ``bucketed`` (and ``auto``) give a document its own
+@dataclass(frozen=True)
+class KernelChoice:
+    """How ``ds_odc_varlen`` computes one model's attention: ``kernel`` (``"auto"``, ``"varlen"``, ``"sdpa"`` or
+    ``"bucketed"``) and ``long_document``: from this length on, ``bucketed`` (and ``auto``) give a document its own
     padded sdpa call (``benchmarks/attention.py --sweep`` measures where sdpa overtakes ``varlen``)."""
-    global _kernel, _long_document
-    if kernel not in _KERNELS:
-        raise ValueError(f"ds_odc_varlen kernel {kernel!r}: choose one of {_KERNELS}")
-    if long_document < 1:
-        raise ValueError(f"ds_odc_varlen long_document={long_document}: give a length of 1 token or more")
-    _kernel, _long_document = kernel, int(long_document)
+
+    kernel: Kernel = "auto"
+    long_document: int = LONG_DOCUMENT
+
+    def __post_init__(self):
+        if self.kernel not in _KERNELS:
+            raise ValueError(f"ds_odc_varlen kernel {self.kernel!r}: choose one of {_KERNELS}")
+        if self.long_document < 1:
+            raise ValueError(f"ds_odc_varlen long_document={self.long_document}: give a length of 1 token or more")
+
+    def resolve(self, query: torch.Tensor, causal: bool = True) -> str:
+        """The kernel :func:`varlen_attention_forward` runs for this query under this choice."""
+        if self.kernel == "varlen" and not _varlen_runs(query):
+            raise ValueError(f"ds_odc_varlen: the 'varlen' kernel needs torch.nn.attention.varlen (torch >= 2.10), a "
+                             f"CUDA device and fp16/bf16; got {query.device} {query.dtype}. Choose 'auto' or 'sdpa' "
+                             "(use_kernel, --attention-kernel).")
+        if self.kernel == "auto":
+            return "bucketed" if causal and _varlen_runs(query) else "sdpa"
+        if self.kernel == "bucketed" and not causal:  # padding is exact only when no real token sees the padding
+            return "varlen" if _varlen_runs(query) else "sdpa"
+        return self.kernel
+
+
+_DEFAULT_CHOICE = KernelChoice()
+
+
+def use_kernel(model: torch.nn.Module, kernel: Kernel = "auto", long_document: int = LONG_DOCUMENT) -> KernelChoice:
+    """Choose how ``ds_odc_varlen`` computes ``model``'s attention (see :class:`KernelChoice`); other models in the
+    process keep theirs. Recorded on every module of the model, since transformers hands the attention function the
+    layer that calls it, whatever the architecture names it; a module never chosen for uses ``KernelChoice()``."""
+    choice = KernelChoice(kernel, int(long_document))
+    for module in model.modules():
+        setattr(module, _CHOICE, choice)
+    return choice
+
+
+def kernel_choice(module: torch.nn.Module) -> KernelChoice:
+    """The :class:`KernelChoice` ``ds_odc_varlen`` uses in ``module`` (a model, or one of its layers)."""
+    return module.__dict__.get(_CHOICE, _DEFAULT_CHOICE)
 
 
 def bucket_length(length: int) -> int:
@@ -211,9 +235,9 @@ def _bucketed_plan(lengths: tuple[int, ...], long_document: int, varlen_device: 
     return tuple(segments)
 
 
-def _bucketed(query, key, value, lengths, scaling, use_varlen: bool):
+def _bucketed(query, key, value, lengths, scaling, use_varlen: bool, long_document: int):
     """Causal attention only: ``[1, H, T, D]`` in, ``[1, T, H, D]`` out."""
-    plan = _bucketed_plan(tuple(lengths), _long_document, query.device if use_varlen else None)
+    plan = _bucketed_plan(tuple(lengths), long_document, query.device if use_varlen else None)
     gqa = query.shape[1] != key.shape[1]
     parts = []
     for seg in plan:
@@ -266,10 +290,11 @@ def varlen_attention_forward(module: torch.nn.Module, query: torch.Tensor, key: 
                          f"tokens (got dropout={dropout}, sliding_window={sliding_window}, softcap={softcap}); "
                          "use attn_implementation='sdpa' for this model")
     causal = getattr(module, "is_causal", True)
-    kernel = kernel_for(query, causal)
+    choice = kernel_choice(module)
+    kernel = choice.resolve(query, causal)
     bounds = _boundaries(query, kwargs)
     varlen_runs = _varlen_runs(query)
-    if kernel == "bucketed" and bounds.max_length < _long_document and varlen_runs:
+    if kernel == "bucketed" and bounds.max_length < choice.long_document and varlen_runs:
         kernel = "varlen"  # no long document: one launch, and no need for the lengths on the host
     batch, heads, tokens, dim = query.shape
     if batch > 1:  # flatten the rows into one sequence of documents
@@ -277,38 +302,41 @@ def varlen_attention_forward(module: torch.nn.Module, query: torch.Tensor, key: 
     if kernel == "varlen":
         out = _varlen(query, key, value, bounds, scaling, causal)[None]  # [1, B*T, H, D]
     elif kernel == "bucketed":
-        out = _bucketed(query, key, value, bounds.host_lengths(), scaling, varlen_runs)
+        out = _bucketed(query, key, value, bounds.host_lengths(), scaling, varlen_runs, choice.long_document)
     else:
         out = _per_document_sdpa(query, key, value, list(bounds.host_lengths()), scaling, causal).transpose(1, 2)
     return out.reshape(batch, tokens, heads, dim), None
 
 
-def bucket_lengths(longest: int, shortest: int | None = None) -> list[int]:
-    """Every bucket a document of ``shortest`` (default: ``long_document``) to ``longest`` tokens can fall in."""
-    n, found = bucket_length(shortest or _long_document), []
+def bucket_lengths(longest: int, shortest: int = LONG_DOCUMENT) -> list[int]:
+    """Every bucket a document of ``shortest`` (a kernel choice's ``long_document``) to ``longest`` tokens can fall
+    in."""
+    n, found = bucket_length(shortest), []
     while n <= bucket_length(longest):
         found.append(n)
         n = bucket_length(n + 1)
     return found
 
 
-def plan_buckets(config, longest: int, device: torch.device, dtype: torch.dtype) -> tuple[int, float]:
-    """Run attention of one layer of ``config`` (a transformers config) once per bucket up to ``longest`` tokens,
+def plan_buckets(model: torch.nn.Module, longest: int, device: torch.device, dtype: torch.dtype) -> tuple[int, float]:
+    """Run attention of one layer of ``model`` (a transformers model) once per bucket up to ``longest`` tokens,
     forward and backward, as training will: cuDNN plans each shape now instead of during the first steps (tens of ms
-    of host time per new shape, with the GPU waiting). Returns (shapes planned, seconds). A no-op where the current
+    of host time per new shape, with the GPU waiting). Returns (shapes planned, seconds). A no-op where the model's
     kernel choice is not ``bucketed`` on this device."""
+    config, choice = model.config, kernel_choice(model)
     heads = config.num_attention_heads
     kv_heads = getattr(config, "num_key_value_heads", None) or heads
     head_dim = getattr(config, "head_dim", None) or config.hidden_size // heads
     probe = torch.empty(0, device=device, dtype=dtype)
-    if kernel_for(probe) != "bucketed" or not _varlen_runs(probe):
+    if choice.resolve(probe) != "bucketed" or not _varlen_runs(probe):
         return 0, 0.0
-    started, buckets = time.perf_counter(), bucket_lengths(longest)
+    started, buckets = time.perf_counter(), bucket_lengths(longest, choice.long_document)
     for n in buckets:
-        length = max(n - 1, _long_document)  # padded to n, as nearly every document of this bucket is
+        length = max(n - 1, choice.long_document)  # padded to n, as nearly every document of this bucket is
         q, k, v = (torch.zeros(1, length, h, head_dim, device=device, dtype=dtype, requires_grad=True)
                    for h in (heads, kv_heads, kv_heads))
-        out = _bucketed(*(x.transpose(1, 2) for x in (q, k, v)), (length,), head_dim ** -0.5, True)
+        out = _bucketed(*(x.transpose(1, 2) for x in (q, k, v)), (length,), head_dim ** -0.5, True,
+                        choice.long_document)
         out.backward(torch.ones_like(out))
     if buckets:
         torch.cuda.synchronize(device)
@@ -316,39 +344,61 @@ def plan_buckets(config, longest: int, device: torch.device, dtype: torch.dtype)
 
 
 def mask_for_varlen(batch_size, q_length, kv_length, q_offset=0, kv_offset=0, mask_function=None,
-                     attention_mask=None, **kwargs):
+                    attention_mask=None, **kwargs):
     """transformers' mask hook for ``ds_odc_varlen``: no mask to build; only a padding mask is passed on (as the
     flash-attention implementations do), so that a padded batch is refused instead of silently mixed."""
     from transformers.masking_utils import flash_attention_mask
     return flash_attention_mask(batch_size, q_length, kv_length, q_offset, kv_offset, attention_mask=attention_mask)
 
 
-def register() -> str:
-    """Register ``ds_odc_varlen`` with transformers' attention and mask interfaces (idempotent); returns the name."""
+def register(name: str = ATTENTION_NAME, forward=varlen_attention_forward) -> str:
+    """Register ``forward`` (default: ``ds_odc_varlen``'s) under ``name`` with transformers' attention interface,
+    with :func:`mask_for_varlen` as its mask (padding-free rows need none); idempotent; returns the name."""
     from transformers import AttentionInterface
     from transformers.masking_utils import AttentionMaskInterface
-    AttentionInterface.register(ATTENTION_NAME, varlen_attention_forward)
-    AttentionMaskInterface.register(ATTENTION_NAME, mask_for_varlen)
-    return ATTENTION_NAME
+    AttentionInterface.register(name, forward)
+    AttentionMaskInterface.register(name, mask_for_varlen)
+    return name
 
 
-_SDPA_SWITCHES = {"flash": "enable_flash_sdp", "efficient": "enable_mem_efficient_sdp", "cudnn": "enable_cudnn_sdp",
-                  "math": "enable_math_sdp"}
+_SDPA_BACKENDS = {"flash": SDPBackend.FLASH_ATTENTION, "efficient": SDPBackend.EFFICIENT_ATTENTION,
+                  "cudnn": SDPBackend.CUDNN_ATTENTION, "math": SDPBackend.MATH}
 
 
-def restrict_sdpa_backends(backends: str | None) -> None:
-    """Let sdpa use only the comma-listed kernels (``flash``, ``efficient``, ``cudnn``, ``math``), process-wide.
+def limit_sdpa_backends(model: torch.nn.Module, backends: str | None) -> None:
+    """Let ``scaled_dot_product_attention`` use only the comma-listed kernels (``flash``, ``efficient``, ``cudnn``,
+    ``math``) inside ``model``'s attention layers, whichever attention implementation they run; the rest of the
+    process keeps torch's choice. ``None`` or ``""`` leaves the model alone. cuDNN builds a plan on the host for every
+    new sequence length, which variable-length training pays at every layer call.
 
-    ``None`` or ``""`` leaves torch's choice alone. cuDNN builds a plan on the host for every new sequence length,
-    which variable-length training pays at every layer call."""
+    Each attention layer (transformers names their classes ``<Model>Attention``) runs its forward inside
+    ``torch.nn.attention.sdpa_kernel``, which sets and restores torch's backend flags: tens of microseconds of host
+    time per call (90 us measured on a busy 2-core CPU host). The layer, not the transformer block: activation
+    checkpointing recomputes the block's own forward during backward, which calls the attention layer again, so the
+    recomputation picks the kernels the forward picked."""
     if not backends:
         return
-    allowed = {b.strip() for b in backends.split(",") if b.strip()}
-    unknown = allowed - _SDPA_SWITCHES.keys()
-    if unknown:
-        raise ValueError(f"sdpa backends: unknown {sorted(unknown)}; choose from {sorted(_SDPA_SWITCHES)}")
-    for name, switch in _SDPA_SWITCHES.items():
-        getattr(torch.backends.cuda, switch)(name in allowed)
+    names = [b.strip() for b in backends.split(",") if b.strip()]
+    unknown = sorted(set(names) - _SDPA_BACKENDS.keys())
+    if unknown or not names:
+        raise ValueError(f"sdpa backends {backends!r}: unknown {unknown}; give a comma list of "
+                         f"{', '.join(_SDPA_BACKENDS)}")
+    allowed = [_SDPA_BACKENDS[n] for n in dict.fromkeys(names)]
+    layers = [m for m in model.modules() if type(m).__name__.endswith("Attention")]
+    if not layers:
+        raise ValueError(f"limit_sdpa_backends: {type(model).__name__} has no attention layers (modules whose class "
+                         "name ends in 'Attention', as transformers names them), so there is nothing to limit; wrap "
+                         "the model's calls in torch.nn.attention.sdpa_kernel yourself")
+    for layer in layers:
+        layer.forward = _within_sdpa_backends(layer.forward, allowed)
+
+
+def _within_sdpa_backends(forward, allowed: list[SDPBackend]):
+    @functools.wraps(forward)
+    def limited(*args, **kwargs):
+        with sdpa_kernel(allowed):
+            return forward(*args, **kwargs)
+    return limited
 
 
 try:  # registering needs transformers; the rest of this module does not

@@ -31,9 +31,9 @@ from typing import Any, Mapping, Sequence
 
 import torch
 
-__all__ = ["PackedCollator", "IGNORE_INDEX"]
+from ds_odc.training.loss import IGNORE_INDEX
 
-IGNORE_INDEX = -100
+__all__ = ["PackedCollator", "IGNORE_INDEX"]
 
 
 @dataclass(frozen=True)

@@ -110,7 +110,7 @@ def init_distributed(timeout_s: float | None = None, *, shared_gpu: bool | None 
         # two jobs on one host would collide; a port the launcher chose wins. Other launchers: unused.
         kwargs["distributed_port"] = int(os.environ["MASTER_PORT"])
     if on_cpu:
-        from ds_odc.zero._deepspeed_privates import skip_cpu_shm_op_build
+        from ds_odc.zero import skip_cpu_shm_op_build
         skip_cpu_shm_op_build()
         deepspeed.init_distributed(dist_backend="gloo", **kwargs)
     elif sharing:

@@ -29,6 +29,10 @@ import torch
 import torch.nn.functional as F
 from torch.utils.checkpoint import checkpoint
 
+__all__ = ["IGNORE_INDEX", "DEFAULT_CHUNK_TOKENS", "global_mean_weight", "token_loss_sum", "count_loss_tokens",
+           "chunked_causal_lm_loss", "use_chunked_loss"]
+
+IGNORE_INDEX = -100  # the label of a position that adds no loss: cross_entropy's default, as transformers and TRL use
 DEFAULT_CHUNK_TOKENS = 4096
 
 
@@ -40,7 +44,7 @@ def global_mean_weight(global_count: int, world_size: int) -> float:
     return world_size / global_count
 
 
-def token_loss_sum(logits: torch.Tensor, labels: torch.Tensor, ignore_index: int = -100) -> torch.Tensor:
+def token_loss_sum(logits: torch.Tensor, labels: torch.Tensor, ignore_index: int = IGNORE_INDEX) -> torch.Tensor:
     """Sum of next-token cross-entropy over the label tokens of a causal-LM batch (labels shifted like HF does)."""
     shift_logits = logits[..., :-1, :].contiguous().float()
     shift_labels = labels[..., 1:].contiguous()
@@ -49,7 +53,7 @@ def token_loss_sum(logits: torch.Tensor, labels: torch.Tensor, ignore_index: int
 
 
 def count_loss_tokens(batch: Mapping[str, Any] | torch.Tensor, *, shifted: bool = True,
-                      ignore_index: int = -100) -> int:
+                      ignore_index: int = IGNORE_INDEX) -> int:
     """Number of label tokens that enter a causal-LM loss, for one batch (a dict of model inputs) or a labels tensor.
 
     ``shift_labels`` in the batch are already aligned with the logits and counted as they are; ``labels`` are counted
@@ -68,7 +72,7 @@ def count_loss_tokens(batch: Mapping[str, Any] | torch.Tensor, *, shifted: bool 
 
 def chunked_causal_lm_loss(hidden_states: torch.Tensor, lm_head: torch.nn.Module, labels: torch.Tensor | None = None,
                            *, shift_labels: torch.Tensor | None = None, num_items_in_batch: Any = None,
-                           ignore_index: int = -100, chunk_tokens: int = DEFAULT_CHUNK_TOKENS) -> torch.Tensor:
+                           ignore_index: int = IGNORE_INDEX, chunk_tokens: int = DEFAULT_CHUNK_TOKENS) -> torch.Tensor:
     """transformers' causal-LM loss (``ForCausalLMLoss``) computed from the last hidden states, ``chunk_tokens``
     positions at a time: the next-token cross-entropy in fp32, summed, divided by ``num_items_in_batch`` when given,
     else averaged over the label tokens. ``shift_labels`` (already aligned with the positions) replace ``labels``."""
@@ -122,7 +126,7 @@ def use_chunked_loss(model: torch.nn.Module, chunk_tokens: int = DEFAULT_CHUNK_T
 
 
 def _chunked_forward(self, input_ids=None, labels=None, *args, shift_labels=None, num_items_in_batch=None,
-                     ignore_index: int = -100, **kwargs):
+                     ignore_index: int = IGNORE_INDEX, **kwargs):
     if not self.training or (labels is None and shift_labels is None) or args:
         return type(self).forward(self, input_ids, *args, labels=labels, num_items_in_batch=num_items_in_batch,
                                   **({"shift_labels": shift_labels} if shift_labels is not None else {}), **kwargs)

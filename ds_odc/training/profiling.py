@@ -21,6 +21,8 @@ import torch
 
 from ds_odc.training.metrics import device_sync
 
+__all__ = ["profile_step", "describe", "decoder_layers", "LAYER_RANGE"]
+
 LAYER_RANGE = "ds_odc.layer_forward"
 
 

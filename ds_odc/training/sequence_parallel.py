@@ -62,7 +62,9 @@ from typing import Any, Iterator, Mapping, Sequence
 import torch
 import torch.nn.functional as F
 
-from ds_odc.training.attention import mask_for_varlen, varlen_attention_forward
+from ds_odc.training.attention import register as register_attention
+from ds_odc.training.attention import varlen_attention_forward
+from ds_odc.training.loss import IGNORE_INDEX
 from ds_odc.balancer.plan import SplitSample
 from ds_odc.balancer.sp import SplitPolicy
 from ds_odc.training.context_parallel import SplitLayout, ring_attention
@@ -72,7 +74,6 @@ __all__ = ["ATTENTION_NAME", "SequenceParallel", "SplitSlice", "SplitLayout", "S
            "slice_loss_sum", "sp_attention_forward", "register"]
 
 ATTENTION_NAME = "ds_odc_sp"
-IGNORE_INDEX = -100
 _STORE_REPLY_S = 5.0
 
 
@@ -236,11 +237,7 @@ def sp_attention_forward(module: torch.nn.Module, query: torch.Tensor, key: torc
 
 def register() -> str:
     """Register ``ds_odc_sp`` with transformers' attention and mask interfaces (idempotent); returns the name."""
-    from transformers import AttentionInterface
-    from transformers.masking_utils import AttentionMaskInterface
-    AttentionInterface.register(ATTENTION_NAME, sp_attention_forward)
-    AttentionMaskInterface.register(ATTENTION_NAME, mask_for_varlen)
-    return ATTENTION_NAME
+    return register_attention(ATTENTION_NAME, sp_attention_forward)
 
 
 def _subgroup_list(policy: SplitPolicy, world_size: int) -> list[tuple[int, ...]]:

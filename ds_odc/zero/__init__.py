@@ -1,8 +1,11 @@
 """ZeRO-3 with ODC: DeepSpeed's stage-3 optimizer and parameter coordinator, subclassed at their seams, moving data
-through one :class:`~ds_odc.zero.state.OdcState` per engine."""
+through one :class:`~ds_odc.zero.state.OdcState` per engine. ``SUPPORTED_DEEPSPEED``: the DeepSpeed versions those
+seams are checked against; ``skip_cpu_shm_op_build``: what a CPU job calls before ``deepspeed.init_distributed``."""
 
+from ds_odc.zero._deepspeed_privates import SUPPORTED as SUPPORTED_DEEPSPEED
+from ds_odc.zero._deepspeed_privates import skip_cpu_shm_op_build
 from ds_odc.zero.coordinator import OdcParamCoordinator
 from ds_odc.zero.optimizer import OdcOptimizer
-from ds_odc.zero.state import OdcState
+from ds_odc.zero.state import OdcState, Phase
 
-__all__ = ["OdcOptimizer", "OdcParamCoordinator", "OdcState"]
+__all__ = ["OdcOptimizer", "OdcParamCoordinator", "OdcState", "Phase", "SUPPORTED_DEEPSPEED", "skip_cpu_shm_op_build"]

@@ -9,12 +9,17 @@ from __future__ import annotations
 
 import contextlib
 import functools
+import inspect
 import itertools
 import weakref
 
 import deepspeed
 import torch
 from packaging.version import Version
+
+__all__ = ["SUPPORTED", "check_deepspeed", "skip_cpu_shm_op_build", "install_config_model", "install_optimizer_hook",
+           "accumulation_of", "use_coordinator_class", "grad_partition_map", "bind_param_methods",
+           "zero3_hooks_detached", "no_rank_consistency_asserts", "CoordinatorSeams", "Stage3Seams"]
 
 SUPPORTED = ">=0.19.8,<0.20"
 _MIN, _MAX = Version("0.19.8"), Version("0.20")
@@ -46,6 +51,7 @@ def check_deepspeed() -> None:
             (Coordinator, COORDINATOR_GATHER),
             (Coordinator, "reset_step"),
             (DeepSpeedEngine, "_configure_zero_optimizer"),
+            (DeepSpeedEngine, "_configure_checkpointing"),
             (coordinator_module, "assert_ints_same_as_other_ranks"),
         ] if not hasattr(owner, name)
     ]
@@ -102,6 +108,65 @@ def install_optimizer_hook(optimizer_cls, prepare) -> None:
 
     _configure_zero_optimizer._ds_odc_hook = True
     engine_module.DeepSpeedEngine._configure_zero_optimizer = _configure_zero_optimizer
+
+
+def install_zero_init_group(shard_group_for) -> None:
+    """Why: ``zero.Init`` partitions over the world unless given ``data_parallel_group``, and DeepSpeed partitions a
+    model built without it through the same ``Init`` with no group
+    (``DeepSpeedZeRoOffload._convert_to_zero_parameters``); so that ``odc.shard_size`` decides the group wherever DeepSpeed partitions (as MiCS's key did before 0.19.8
+    removed it), ``Init`` takes its default group from the config it is given. ``shard_group_for(config, mpu)``
+    returns the group, or None to keep stock's."""
+    from deepspeed.runtime.zero.partition_parameters import Init
+
+    original = Init.__init__
+    if getattr(original, "_ds_odc_hook", False):
+        return
+    signature = inspect.signature(original)
+
+    @functools.wraps(original)
+    def __init__(self, *args, **kwargs):
+        bound = signature.bind(self, *args, **kwargs)
+        given = bound.arguments
+        config = given.get("config_dict_or_path")
+        config = given.get("config") if config is None else config
+        if (config is not None and given.get("enabled", True) and given.get("data_parallel_group") is None
+                and given.get("sequence_data_parallel_group") is None):
+            group = shard_group_for(config, given.get("mpu"))
+            if group is not None:
+                given["data_parallel_group"] = group
+        original(*bound.args, **bound.kwargs)
+
+    __init__._ds_odc_hook = True
+    Init.__init__ = __init__
+
+
+def partition_over(optimizer_kwargs: dict, group) -> None:
+    """Why: the engine hands the stage-3 optimizer the whole data-parallel group (``dp_process_group``), which sizes
+    its partitions, norms and checkpoint files; with hybrid sharding those belong to the shard group, while the engine
+    keeps the whole group for its batch-size arithmetic."""
+    optimizer_kwargs["dp_process_group"] = group
+
+
+def install_checkpoint_writers(is_replica) -> None:
+    """Why: under ZeRO-3 every rank writes ``zero_pp_rank_<p>_..._model_states.pt``, named by its rank in the
+    optimizer's group (``_configure_checkpointing`` sets ``save_non_zero_checkpoint``); with hybrid sharding the
+    replicas of a shard would write the same file at once, so only the first shard group writes (its optimizer-state
+    files are already the only ones written: DeepSpeed writes them where that rank equals the data-parallel rank).
+    ``is_replica(engine)`` says whether this rank holds a copy another group also writes."""
+    from deepspeed.runtime.engine import DeepSpeedEngine
+
+    original = DeepSpeedEngine._configure_checkpointing
+    if getattr(original, "_ds_odc_hook", False):
+        return
+
+    @functools.wraps(original)
+    def _configure_checkpointing(engine):
+        original(engine)
+        if is_replica(engine):
+            engine.save_non_zero_checkpoint = False
+
+    _configure_checkpointing._ds_odc_hook = True
+    DeepSpeedEngine._configure_checkpointing = _configure_checkpointing
 
 
 def accumulation_of(engine):
@@ -239,13 +304,13 @@ class _SettlingDict(dict):
 
 
 class Stage3Seams:
-    """The ``DeepSpeedZeroOptimizer_Stage3`` members ODC overrides (``self.odc``: the OdcState)."""
+    """The ``DeepSpeedZeroOptimizer_Stage3`` members ODC overrides (``self.odc``: the OdcState;
+    ``self.coordinator_class``: the coordinator subclass, given by the optimizer so that this module imports neither)."""
 
     def initialize_ds_offload(self, *args, **kwargs):
         # Why: the coordinator this builds performs every fetch; ODC re-classes it (see use_coordinator_class).
-        from ds_odc.zero.coordinator import OdcParamCoordinator
         offload = super().initialize_ds_offload(*args, **kwargs)
-        use_coordinator_class(offload, OdcParamCoordinator, self.odc)
+        use_coordinator_class(offload, self.coordinator_class, self.odc)
         return offload
 
     def _set_fp16_partitioned_groups_flat(self):
@@ -255,6 +320,7 @@ class Stage3Seams:
         self.odc.connect(device, self.dp_process_group)
         params = list(itertools.chain.from_iterable(self.fp16_groups))
         self.lp_param_buffer = self.odc.place_trainable(params, self.lp_param_buffer)
+        self.odc.sync_replicas([self.odc.trainable])  # before stage 3 copies the fp32 master weights from them
         for param in params:
             bind_param_methods(param, self.odc)
         super()._set_fp16_partitioned_groups_flat()

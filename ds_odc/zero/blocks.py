@@ -11,6 +11,8 @@ from __future__ import annotations
 import torch
 from deepspeed.utils import logger, set_z3_leaf_module, z3_leaf_module
 
+__all__ = ["fetch_by_block", "block_classes"]
+
 
 def _user_chose_leaves(zero_config) -> bool:
     """Whether the config sets DeepSpeed's ``leaf_module`` to anything but its defaults (which name MoE blocks)."""

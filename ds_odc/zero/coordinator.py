@@ -7,6 +7,8 @@ from deepspeed.runtime.zero.partitioned_param_coordinator import PartitionedPara
 
 from ds_odc.zero import _deepspeed_privates as privates
 
+__all__ = ["OdcParamCoordinator"]
+
 
 class OdcParamCoordinator(privates.CoordinatorSeams, PartitionedParameterCoordinator):
     """``PartitionedParameterCoordinator`` whose fetches and prefetches read the owners' shards one-sidedly and whose

@@ -8,6 +8,10 @@ Per minibatch, on every rank, with any number of microbatches (0 included):
 * ``step()``: fence (every rank arrived, every push landed) -> DeepSpeed's own step on this rank's partition (norm,
   clipping and update are stock, including their collectives, which every rank now joins exactly once) -> publish
   (empty the accumulator, meet again: new shards visible) -> next minibatch.
+
+With ``odc.shard_size`` DeepSpeed partitions over the shard group instead of the whole job (the optimizer's
+``dp_process_group``; ``zero.Init`` picks the same group from the config), and the fence also sums every
+accumulated shard over its replicas (:mod:`ds_odc.zero.hybrid`).
 """
 
 from __future__ import annotations
@@ -22,25 +26,37 @@ from deepspeed.utils import logger
 
 from ds_odc.config import odc_config_from_ds_config
 from ds_odc.zero import _deepspeed_privates as privates
-from ds_odc.zero.state import OdcState
+from ds_odc.zero.coordinator import OdcParamCoordinator
+from ds_odc.zero.hybrid import groups_for
+from ds_odc.zero.state import OdcState, Phase, profiled
+
+__all__ = ["OdcOptimizer"]
 
 
 class OdcOptimizer(privates.Stage3Seams, DeepSpeedZeroOptimizer_Stage3):
     """``DeepSpeedZeroOptimizer_Stage3`` whose gathers and reduce-scatters are one-sided transport operations."""
 
+    coordinator_class = OdcParamCoordinator  # what the parameter coordinator DeepSpeed builds becomes
+
     def __init__(self, *args, **kwargs):
-        self.odc = OdcState(odc_config_from_ds_config(kwargs["ds_config"]))
+        config = odc_config_from_ds_config(kwargs["ds_config"])
+        groups = groups_for(config)
+        if groups is not None:
+            privates.partition_over(kwargs, groups.shard)
+        self.odc = OdcState(config, groups)
         super().__init__(*args, **kwargs)
         trainable = {p.ds_id for p in self._trainable()}
         frozen = [p for p in self.module.parameters() if hasattr(p, "ds_id") and p.ds_id not in trainable]
         self.odc.place_frozen(frozen)
         for param in frozen:
             privates.bind_param_methods(param, self.odc)
+        self.odc.sync_replicas(self.odc.frozen)
         views = self.odc.place_accumulator(self._trainable(), self.grad_partitions_flat_buffer.numel())
         self.grad_partitions_flat_buffer = self.odc.accumulator.local
         privates.grad_partition_map(self).update(views)
         transport = self.odc.transport
-        logger.info(f"ds_odc: ODC on, transport={transport.name}, world={transport.world_size}, "
+        layout = "" if groups is None else f" in each of {groups.layout.replicas} shard groups (replicas)"
+        logger.info(f"ds_odc: ODC on, transport={transport.name}, {transport.world_size} ranks{layout}, "
                     f"shards={self.odc.trainable.numel} elements, accumulator={self.odc.accumulator.numel} elements")
 
     def _trainable(self):
@@ -52,17 +68,18 @@ class OdcOptimizer(privates.Stage3Seams, DeepSpeedZeroOptimizer_Stage3):
         return self.odc.wait_s
 
     def step(self, closure=None):
-        self.odc.start_step()
-        self.odc.fence()
-        # A rank that ran no backward this minibatch never set its gradient views; the pushes of others still count.
-        views = privates.grad_partition_map(self)
-        for i, group in enumerate(self.fp16_groups):
-            self.averaged_gradients[i] = [
-                views[p.ds_id] if p.requires_grad else torch.zeros_like(p.ds_tensor, dtype=torch.float32)
-                for p in group]
-        super().step(closure)
-        if not self.odc.published:  # stock skipped the update (inf/nan gradients) and never reached _post_step
-            self.odc.publish()
+        with profiled("ds_odc::step"):
+            self.odc.start_step()
+            self.odc.fence()
+            # A rank that ran no backward this minibatch never set its gradient views; others' pushes still count.
+            views = privates.grad_partition_map(self)
+            for i, group in enumerate(self.fp16_groups):
+                self.averaged_gradients[i] = [
+                    views[p.ds_id] if p.requires_grad else torch.zeros_like(p.ds_tensor, dtype=torch.float32)
+                    for p in group]
+            super().step(closure)
+            if self.odc.phase is Phase.STEPPING:  # stock skipped the update (inf/nan gradients), so no _post_step
+                self.odc.publish()
 
     def zero_grad(self, set_to_none=True):
         # Before the step this drops the minibatch's gradients so far, as stock does: on every rank, together.

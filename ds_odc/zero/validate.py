@@ -1,14 +1,16 @@
 """Configurations ODC cannot run, rejected at ``deepspeed.initialize`` with the option to change.
 
 ODC needs every trainable shard and the gradient accumulator in one device buffer per rank (no offload), gathers
-and pushes over the plain data-parallel group (no hpZ, TP, SP, PP, MoE groups), and no per-bucket collectives on
-the gradient path.
+and pushes over the plain data-parallel group or, with ``odc.shard_size``, over shard groups that split it evenly
+(no hpZ, TP, SP, PP, MoE groups), and no per-bucket collectives on the gradient path.
 """
 
 from __future__ import annotations
 
 from deepspeed.runtime.zero.offload_config import OffloadDeviceEnum
 from deepspeed.utils import logger
+
+__all__ = ["validate_engine"]
 
 
 def _reject(option: str, why: str) -> ValueError:
@@ -35,7 +37,8 @@ def validate_engine(engine, optimizer) -> bool:
     if engine.super_offload():
         raise _reject("zero_optimization.offload_optimizer.super_offload", "shards must stay in device memory")
     if zc.zero_hpz_partition_size > 1:
-        raise _reject("zero_optimization.zero_hpz_partition_size", "hpZ secondary shards use another group")
+        raise _reject("zero_optimization.zero_hpz_partition_size", "hpZ secondary shards use another group; "
+                      "zero_optimization.odc.shard_size keeps every read inside a node instead")
     for name in ("zero_quantized_weights", "zero_quantized_nontrainable_weights", "zero_quantized_gradients"):
         if getattr(zc, name):
             raise _reject(f"zero_optimization.{name}", "ZeRO++ quantized communication is collective")
@@ -73,4 +76,23 @@ def validate_engine(engine, optimizer) -> bool:
     if optimizer is None or isinstance(optimizer, DummyOptim):
         logger.warning("ds_odc: no optimizer was given, so there is no training step: ODC is not used")
         return False
+    if zc.odc.shard_size is not None:
+        _validate_shard_groups(engine, zc.odc)
     return True
+
+
+def _validate_shard_groups(engine, odc) -> None:
+    """``shard_size`` must split the job evenly (ValueError from ``groups_for``), and a model partitioned before
+    ``deepspeed.initialize`` (under ``zero.Init``) must be partitioned over this rank's shard group."""
+    from deepspeed import comm as dist
+    from ds_odc.zero.hybrid import groups_for, same_ranks
+    groups = groups_for(odc)  # collective: every rank validates the same config at the same point
+    shard_ranks = list(range(dist.get_world_size())) if groups is None else groups.layout.shard_group_ranks()
+    for name, param in engine.module.named_parameters():
+        if hasattr(param, "ds_id") and not same_ranks(getattr(param, "ds_process_group", None), shard_ranks):
+            size = dist.get_world_size(group=param.ds_process_group)
+            raise ValueError(f"ds_odc: zero_optimization.odc.shard_size={odc.shard_size}: parameter {name} was "
+                             f"partitioned by deepspeed.zero.Init over {size} ranks, not over its shard group of "
+                             f"{len(shard_ranks)}. Build the model under deepspeed.zero.Init(config_dict_or_path="
+                             "ds_config) with ds_odc imported (the config's odc.shard_size picks the group), or "
+                             "without zero.Init.")

@@ -2,7 +2,8 @@
 
 Every distributed test goes through :func:`launch`, so no test can hang: the launcher kills the whole process
 group at the deadline, and :func:`init_test_ranks` gives the ranks a short process-group timeout and dumps Python
-stacks shortly before the deadline. A rank reports with :func:`emit` and ends with
+stacks shortly before the deadline. The ranks get a temporary folder of their own (``TMPDIR``), removed when they
+end: torchrun's log folders and whatever a rank script leaves there go with it, even when the ranks were killed. A rank reports with :func:`emit` and ends with
 :func:`ds_odc.training.distributed.shutdown_and_exit`.
 """
 
@@ -14,6 +15,7 @@ import os
 import signal
 import subprocess
 import sys
+import tempfile
 import time
 from dataclasses import dataclass
 from pathlib import Path
@@ -72,7 +74,12 @@ def launch(script: str | os.PathLike, nproc: int = 2, args: list[str] | tuple = 
     tears the others down when one dies, so what the survivors do is visible). Everything is killed after
     ``timeout`` seconds.
     """
-    script = str(script)
+    with tempfile.TemporaryDirectory(prefix="ds_odc_ranks_") as scratch:
+        env = {"TMPDIR": scratch, "TMP": scratch, "TEMP": scratch, **(env or {})}
+        return _launch(str(script), nproc, args, timeout, launcher, env)
+
+
+def _launch(script: str, nproc: int, args, timeout: float, launcher: str, env: dict) -> LaunchResult:
     if launcher == "plain":
         return _launch_plain(script, nproc, args, timeout, env)
     if launcher == "torchrun":

@@ -56,7 +56,8 @@ def test_check_accepts_a_valid_config_and_names_a_misspelt_odc_key(tmp_path, cap
     bad.write_text(json.dumps({"zero_optimization": {"stage": 3, "odc": {"transprt": "shm"}}}))
     assert main(["check", str(bad)]) == 1
     err = capsys.readouterr().err
-    assert "odc.transprt" in err and "Extra inputs are not permitted" in err
+    assert "zero_optimization.odc.transprt\n" in err and "did you mean 'transport'?" in err, err
+    assert "OdcZeroConfig" not in err
 
     stage2 = tmp_path / "stage2.json"
     stage2.write_text(json.dumps({"zero_optimization": {"stage": 2, "odc": True}}))

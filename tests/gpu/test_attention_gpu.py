@@ -41,13 +41,11 @@ def _per_document(q, k, v):
 def _ds_odc_varlen(kernel):
     cu = F.pad(torch.tensor(LENGTHS, device="cuda").cumsum(0), (1, 0)).to(torch.int32)
 
+    layer = torch.nn.Module()
+    attention.use_kernel(layer, kernel)
+
     def forward(q, k, v):
-        attention.set_kernel(kernel)
-        try:
-            out, _ = attention.varlen_attention_forward(torch.nn.Module(), q, k, v, None, cu_seq_lens_q=cu,
-                                                        max_length_q=max(LENGTHS))
-        finally:
-            attention.set_kernel("auto")
+        out, _ = attention.varlen_attention_forward(layer, q, k, v, None, cu_seq_lens_q=cu, max_length_q=max(LENGTHS))
         return out.transpose(1, 2)
     return forward
 
@@ -74,11 +72,9 @@ def test_planning_runs_every_bucket_once():
         pytest.skip("needs CUDA")
     pytest.importorskip("torch.nn.attention.varlen")
     from transformers import Qwen2Config
-    config = Qwen2Config(hidden_size=HEADS * DIM, num_attention_heads=HEADS, num_key_value_heads=KV_HEADS)
-    shapes, _ = attention.plan_buckets(config, 20000, torch.device("cuda"), torch.bfloat16)
+    model = torch.nn.Module()  # plan_buckets reads the model's config and kernel choice only
+    model.config = Qwen2Config(hidden_size=HEADS * DIM, num_attention_heads=HEADS, num_key_value_heads=KV_HEADS)
+    shapes, _ = attention.plan_buckets(model, 20000, torch.device("cuda"), torch.bfloat16)
     assert shapes == len(attention.bucket_lengths(20000)) == 15
-    attention.set_kernel("varlen")
-    try:
-        assert attention.plan_buckets(config, 20000, torch.device("cuda"), torch.bfloat16) == (0, 0.0)
-    finally:
-        attention.set_kernel("auto")
+    attention.use_kernel(model, "varlen")
+    assert attention.plan_buckets(model, 20000, torch.device("cuda"), torch.bfloat16) == (0, 0.0)

@@ -18,8 +18,8 @@ pytestmark = [pytest.mark.gpu, pytest.mark.slow]
 
 
 @pytest.mark.parametrize("nproc", rank_params(1, 2, 3))
-def test_deepspeed_zero3_apis_match_stock_on_gpu(nvshmem_op, nproc):
-    result = launch_gpu(WORKER, nproc, [], timeout=420).check().result
+def test_deepspeed_zero3_apis_match_stock_on_gpu(nvshmem_op, nproc, tmp_path):
+    result = launch_gpu(WORKER, nproc, ["--dir", tmp_path], timeout=420).check().result
     moved = result.pop("stock_moved")
     assert moved and all(v > 1e-3 for v in moved.values()), moved
     worst = {k: v for k, v in result.items() if not v < 1e-4}  # GPU reductions are not bit-identical to stock's

@@ -5,8 +5,11 @@ started without an agent, so that nobody else tears the survivors down).
 
     python -m pytest tests/gpu/test_faults_gpu.py -q
 
-No ODC kernel waits for a peer: every loop in csrc/ is bounded by its own task table, and the only waiting is the
-fence's, on the host, with a timeout (``test_no_kernel_waits_for_a_peer``). So a dead peer cannot hang a kernel.
+No ODC kernel waits for a peer: no signal, flag or barrier in device code, every loop bounded by the kernel's own task
+table, and the only waiting is the fence's, on the host, with a timeout (``test_no_kernel_waits_for_a_peer``). Between
+GPUs of one host a dead peer's memory stays mapped, so a push or read into it completes (the kill cases show it).
+Across nodes the remote path's get/put complete through the NIC transport, whose handling of a dead node is
+NVSHMEM's and is not exercised on one host.
 """
 
 from __future__ import annotations

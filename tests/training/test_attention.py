@@ -61,23 +61,16 @@ def _assert_close(got, want):
         assert (g - ref_grads[name]).abs().max().item() <= TOL * scale + 1e-12, name
 
 
-@pytest.fixture
-def kernel():
-    """Run a test under a ds_odc_varlen kernel, restoring the default afterwards."""
-    yield attention.set_kernel
-    attention.set_kernel("auto")
-
-
 @pytest.mark.parametrize("kind", ["qwen2", "llama"])
 @pytest.mark.parametrize("boundaries", ["cu_seq_lens", "position_ids"])
 @pytest.mark.parametrize("choice", ["sdpa", "bucketed"])
-def test_packed_row_equals_documents_alone(kind, boundaries, choice, kernel):
+def test_packed_row_equals_documents_alone(kind, boundaries, choice):
     """``bucketed`` with ``long_document=5``: the 37-, 21- and 9-token documents get their own (padded) sdpa call, the
     others run per document in between."""
-    kernel(choice, long_document=5)
     docs = _docs(lengths=BUCKETED_LENGTHS if choice == "bucketed" else LENGTHS)
     row = PackedCollator(return_flash_attn_kwargs=boundaries == "cu_seq_lens")([{"input_ids": d} for d in docs])
     model = _model(kind, attention.ATTENTION_NAME)
+    attention.use_kernel(model, choice, long_document=5)
     labels = row.pop("labels")
     loss = _loss_sum(model(**row).logits, labels)
     loss.backward()
@@ -149,21 +142,72 @@ def test_padding_and_unsupported_options_are_refused_with_the_fix():
     with pytest.raises(ValueError, match="sliding windows"):
         attention.varlen_attention_forward(torch.nn.Module(), q, q, q, None, sliding_window=2)
     with pytest.raises(ValueError, match="needs torch.nn.attention.varlen"):
-        attention.set_kernel("varlen")
-        try:
-            attention.kernel_for(q)
-        finally:
-            attention.set_kernel("auto")
+        attention.KernelChoice("varlen").resolve(q)
     with pytest.raises(ValueError, match="choose one of"):
-        attention.set_kernel("fast")
+        attention.use_kernel(model, "fast")
     with pytest.raises(ValueError, match="long_document=0"):
-        attention.set_kernel("bucketed", long_document=0)
-    assert attention.kernel_for(q) == "sdpa"  # CPU, fp32
-    attention.set_kernel("bucketed")
-    try:
-        assert attention.kernel_for(q) == "bucketed" and attention.kernel_for(q, causal=False) == "sdpa"
-    finally:
-        attention.set_kernel("auto")
+        attention.use_kernel(model, "bucketed", long_document=0)
+    assert attention.KernelChoice().resolve(q) == "sdpa"  # CPU, fp32
+    bucketed = attention.KernelChoice("bucketed")
+    assert bucketed.resolve(q) == "bucketed" and bucketed.resolve(q, causal=False) == "sdpa"
+
+
+def _sdpa_lengths(monkeypatch) -> list[int]:
+    """Record the sequence length of every scaled_dot_product_attention call from now on."""
+    seen, real = [], F.scaled_dot_product_attention
+    monkeypatch.setattr(F, "scaled_dot_product_attention",
+                        lambda q, *a, **k: seen.append(q.shape[2]) or real(q, *a, **k))
+    return seen
+
+
+def test_the_kernel_choice_belongs_to_one_model(monkeypatch):
+    """Two models in one process: the one chosen ``bucketed`` pads its 37-token document to its bucket (40), the
+    other keeps the default (one sdpa call of 37 tokens on CPU); choosing for one changes nothing for the other."""
+    docs = _docs(lengths=BUCKETED_LENGTHS)
+    row = PackedCollator(return_flash_attn_kwargs=True)([{"input_ids": d} for d in docs])
+    row.pop("labels")
+    bucketed, default = _model("qwen2", attention.ATTENTION_NAME), _model("qwen2", attention.ATTENTION_NAME)
+    attention.use_kernel(bucketed, "bucketed", long_document=5)
+    assert attention.kernel_choice(default) == attention.KernelChoice()
+    assert all(attention.kernel_choice(m).kernel == "bucketed" for m in bucketed.modules())
+    seen = _sdpa_lengths(monkeypatch)
+    with torch.no_grad():
+        bucketed(**row)
+        assert 40 in seen and 37 not in seen, seen
+        seen.clear()
+        default(**row)
+        assert 37 in seen and 40 not in seen, seen
+
+
+def _flash_allowed_at_each_sdpa_call(monkeypatch) -> list[bool]:
+    """From now on, whether sdpa may pick its flash kernel, as seen by every scaled_dot_product_attention call."""
+    seen, real = [], F.scaled_dot_product_attention
+    monkeypatch.setattr(F, "scaled_dot_product_attention",
+                        lambda *a, **k: seen.append(torch.backends.cuda.flash_sdp_enabled()) or real(*a, **k))
+    return seen
+
+
+@pytest.mark.parametrize("impl", ["sdpa", attention.ATTENTION_NAME])
+def test_sdpa_backends_are_limited_inside_the_model_only(impl, monkeypatch):
+    """Limited to ``math``: every sdpa call of the model (including the recomputation of activation checkpointing,
+    during backward) sees flash disabled; outside the model, and in another model, it stays enabled."""
+    assert torch.backends.cuda.flash_sdp_enabled()
+    limited, other = _model("llama", impl), _model("llama", impl)
+    attention.limit_sdpa_backends(limited, "math")
+    limited.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+    seen = _flash_allowed_at_each_sdpa_call(monkeypatch)
+    ids = _docs()[2][None]
+    limited(input_ids=ids, labels=ids).loss.backward()
+    assert seen == [False] * 4  # 2 layers, forward and recomputation
+    assert torch.backends.cuda.flash_sdp_enabled()
+    seen.clear()
+    other(input_ids=ids, labels=ids).loss.backward()
+    assert seen == [True] * 2
+    with pytest.raises(ValueError, match="unknown \\['fast'\\]"):
+        attention.limit_sdpa_backends(other, "math,fast")
+    attention.limit_sdpa_backends(other, None)  # torch's choice: nothing to limit
+    with pytest.raises(ValueError, match="no attention layers"):
+        attention.limit_sdpa_backends(torch.nn.Linear(2, 2), "math")
 
 
 def test_boundaries_from_position_ids_are_computed_once_per_tensor():
@@ -200,8 +244,7 @@ def test_boundaries_moved_to_the_device_keep_their_host_lengths(monkeypatch, bou
 
 
 def test_planning_buckets_is_a_no_op_without_the_bucketed_kernel():
-    from transformers import Qwen2Config
-    config = Qwen2Config(hidden_size=64, num_attention_heads=4, num_key_value_heads=2)
-    assert attention.plan_buckets(config, 65536, torch.device("cpu"), torch.float32) == (0, 0.0)
+    model = _model("qwen2", attention.ATTENTION_NAME)
+    assert attention.plan_buckets(model, 65536, torch.device("cpu"), torch.float32) == (0, 0.0)
     assert attention.bucket_lengths(65536)[0] == attention.LONG_DOCUMENT and len(attention.bucket_lengths(65536)) == 29
     assert attention.bucket_lengths(100, shortest=1) == sorted({attention.bucket_length(n) for n in range(1, 101)})

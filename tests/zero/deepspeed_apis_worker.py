@@ -10,7 +10,10 @@ ODC is from stock at each point:
 * ``backward_read_zero_grad_repeated``: several backward passes without a step, each read with
   ``optimizer.get_fp32_grad_partitions()``, with and without ``zero_grad()`` in between (accumulate or overwrite),
   then the step.
-* ``save_16bit_model``: the consolidated 16-bit state dict written after training.
+* ``full_grads_read_repeated``: the same with every full gradient read through ``deepspeed.utils.safe_get_full_grad``
+  (the same numbers whatever the partitioning, so it also compares hybrid sharding with flat stock ZeRO-3).
+* ``save_16bit_model``: the consolidated 16-bit state dict written after training (into ``--dir``, a folder the test
+  owns).
 * ``unwrap_for_generation``: logits and greedy tokens inside ``unwrap_model_for_generation`` (hooks removed,
   parameters gathered), then a training step after the hooks are back.
 """
@@ -18,9 +21,9 @@ ODC is from stock at each point:
 from __future__ import annotations
 
 import argparse
+import functools
 import os
 import sys
-import tempfile
 
 import torch
 import torch.distributed as dist
@@ -78,17 +81,34 @@ def backward_read_zero_grad_repeated(odc) -> dict:
     return out
 
 
-def save_16bit_model(odc) -> dict:
+def full_grads_read_repeated(odc) -> dict:
+    from deepspeed.utils import safe_get_full_grad
+    out = {}
+    for zero_grad in (True, False):
+        engine = build_sgd(odc)
+        reads = []
+        for k in range(3):
+            backward_on(engine, k)
+            reads.append(flat(safe_get_full_grad(p) for p in engine.module.parameters()))
+            if zero_grad:
+                engine.optimizer.zero_grad()
+        engine.step()
+        tag = "zero_grad" if zero_grad else "accumulate"
+        out[f"full_grads_read_{tag}"] = torch.cat(reads)
+        out[f"params_after_full_grads_{tag}"] = flat(full_params(engine).values())
+    return out
+
+
+def save_16bit_model(odc, folder: str) -> dict:
     engine = build(tiny_llama(), ds_config(odc, optimizer="sgd",
                                            extra_zero={"stage3_gather_16bit_weights_on_model_save": True}))
     for step in range(2):
         backward_on(engine, step)
         engine.step()
-    folder = [tempfile.mkdtemp(prefix="odc_16bit_") if dist.get_rank() == 0 else None]
-    dist.broadcast_object_list(folder, src=0)
-    engine.save_16bit_model(folder[0], "model.bin")
+    folder = os.path.join(folder, "odc" if odc else "stock")
+    engine.save_16bit_model(folder, "model.bin")
     dist.barrier()
-    saved = torch.load(os.path.join(folder[0], "model.bin"), map_location="cpu", weights_only=True)
+    saved = torch.load(os.path.join(folder, "model.bin"), map_location="cpu", weights_only=True)
     return {"saved_16bit_state_dict": flat(saved[k] for k in sorted(saved)),
             "params_after_16bit_save": flat(full_params(engine).values())}
 
@@ -110,15 +130,30 @@ def unwrap_for_generation(odc) -> dict:
 
 
 SECTIONS = [zero_grad_then_step, backward_read_zero_grad_repeated, save_16bit_model, unwrap_for_generation]
+OPTIONAL = [full_grads_read_repeated]  # run when named by --only
+
+
+def with_shard_size(section, shard_size: int):
+    """``section`` with ODC on as hybrid sharding (stock stays flat ZeRO-3 over every rank)."""
+    def run(odc, **kwargs):
+        return section(None if odc is None else {"enabled": True, "shard_size": shard_size}, **kwargs)
+    run.__name__ = section.__name__
+    return run
 
 
 def main():
     parser = argparse.ArgumentParser()
     parser.add_argument("--only", default="", help="comma-separated section names (default: all)")
+    parser.add_argument("--shard-size", type=int, default=0, help="ODC with zero_optimization.odc.shard_size")
+    parser.add_argument("--dir", required=True, help="a folder the test owns and removes (save_16bit_model)")
     parser.add_argument("--local_rank", type=int, default=None)
     args = parser.parse_args()
     init_ranks(timeout_s=60)
-    sections = [s for s in SECTIONS if not args.only or s.__name__ in args.only.split(",")]
+    named = [s for s in SECTIONS + OPTIONAL if s.__name__ in args.only.split(",")] if args.only else SECTIONS
+    sections = []
+    for section in named:
+        run = with_shard_size(section, args.shard_size) if args.shard_size else section
+        sections.append(functools.partial(run, folder=args.dir) if section is save_16bit_model else run)
     out = odc_vs_stock(sections, flat(full_params(tiny_llama()).values()))
     if dist.get_rank() == 0:
         emit(out)

@@ -45,9 +45,11 @@ def microbatch(engine, step: int, k: int, gas: int = 2):
 
 
 def padded(value: torch.Tensor, param) -> torch.Tensor:
-    """A full gradient as stage 3's set/update APIs slice it: flat, padded to a multiple of the world size (given
-    the unpadded tensor they read past its end on the last rank when the size does not divide)."""
-    out = torch.zeros(param.partition_numel() * dist.get_world_size(), dtype=value.dtype, device=value.device)
+    """A full gradient as stage 3's set/update APIs slice it: flat, padded to a multiple of the ranks it is
+    partitioned over (given the unpadded tensor they read past its end on the last rank when the size does not
+    divide)."""
+    ranks = dist.get_world_size(param.ds_process_group)
+    out = torch.zeros(param.partition_numel() * ranks, dtype=value.dtype, device=value.device)
     out[:param.ds_numel] = value.reshape(-1)
     return out
 
@@ -131,6 +133,19 @@ def writes_between_backward_and_step(odc) -> dict:
     return {"params_after_grad_writes": flat(full_params(engine).values())}
 
 
+def write_then_backward(odc) -> dict:
+    """A gradient written after the first microbatch, then the second microbatch adds to it (as stock's next
+    backward adds into the partition)."""
+    from deepspeed.utils import safe_set_full_grad
+    engine, params, opt = build_sgd(odc)
+    microbatch(engine, 0, 0)
+    engine.step()  # a no-op: the first of gradient_accumulation_steps 2
+    safe_set_full_grad(params[0], padded(torch.full(params[0].ds_shape, -5.0), params[0]))
+    microbatch(engine, 0, 1)
+    engine.step()
+    return {"params_after_write_then_backward": flat(full_params(engine).values())}
+
+
 def zero_grad_between_backward_and_step(odc) -> dict:
     """Skipping a bad batch: the first microbatch's gradients are dropped, the second's are trained."""
     engine, params, opt = build_sgd(odc)
@@ -162,7 +177,7 @@ def fp32_param_write_then_step(odc) -> dict:
     from deepspeed.utils import safe_set_full_fp32_param
     engine, params, opt = build_sgd(odc)
     # stage 3 slices the unpadded value, which reads past its end on the last rank unless the size divides
-    divisible = [p for p in params if p.ds_numel % dist.get_world_size() == 0]
+    divisible = [p for p in params if p.ds_numel % dist.get_world_size(p.ds_process_group) == 0]
     if not divisible:
         return {}
     if dist.get_rank() == dist.get_world_size() - 1:
@@ -183,10 +198,18 @@ def replaced_shards_read_at_once(odc) -> dict:
 
 SECTIONS = [reads_between_backward_and_step, slow_reader_between_microbatches, writes_between_backward_and_step, zero_grad_between_backward_and_step,
             shard_writes_read_at_once, fp32_param_write_then_step, replaced_shards_read_at_once]
+# With hybrid sharding (--shard-size) against flat stock: the sections whose results do not depend on which rank
+# holds which slice (not the local gradients, not the rank-dependent replaced shards).
+HYBRID_SECTIONS = [writes_between_backward_and_step, write_then_backward, zero_grad_between_backward_and_step,
+                   shard_writes_read_at_once, fp32_param_write_then_step]
 
 
 def scenario_apis(args):
-    out = odc_vs_stock(SECTIONS, flat(full_params(tiny_llama()).values()))
+    sections = SECTIONS
+    if args.shard_size:
+        from deepspeed_apis_worker import with_shard_size
+        sections = [with_shard_size(s, args.shard_size) for s in HYBRID_SECTIONS]
+    out = odc_vs_stock(sections, flat(full_params(tiny_llama()).values()))
     gathered = [None] * dist.get_world_size()
     dist.all_gather_object(gathered, out)
     if dist.get_rank() == 0:
@@ -214,6 +237,7 @@ def scenario_refusals(args):
 def main():
     parser = argparse.ArgumentParser()
     parser.add_argument("scenario", choices=["apis", "refusals"])
+    parser.add_argument("--shard-size", type=int, default=0, help="apis with zero_optimization.odc.shard_size")
     args = parser.parse_args()
     init_ranks(timeout_s=60)
     globals()[f"scenario_{args.scenario}"](args)

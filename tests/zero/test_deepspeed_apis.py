@@ -18,8 +18,8 @@ TOLERANCE = 1e-5
 
 
 @pytest.mark.parametrize("nproc", [2, 3])
-def test_deepspeed_zero3_apis_match_stock(nproc):
-    result = launch(WORKER, nproc, [], timeout=300).check().result
+def test_deepspeed_zero3_apis_match_stock(nproc, tmp_path):
+    result = launch(WORKER, nproc, ["--dir", tmp_path], timeout=300).check().result
     moved = result.pop("stock_moved")
     assert moved and all(v > 1e-3 for v in moved.values()), moved
     worst = {k: v for k, v in result.items() if not v < TOLERANCE}

@@ -13,7 +13,7 @@ import torch.distributed as dist
 
 from ds_odc.config import OdcConfig
 from _support.launch import launch
-from ds_odc.zero.state import OdcState
+from ds_odc.zero.state import OdcState, Phase
 
 from _state_case import full_values, push_grads, release, zero3_params
 
@@ -46,7 +46,7 @@ def test_one_rank_fetch_is_the_shard_itself_and_the_step_round_trips(one_rank):
     state.fence()
     assert torch.equal(state.accumulator.local, torch.full_like(state.accumulator.local, 2.0))
     state.publish()
-    assert state.published and not state.open and state.accumulator.local.abs().sum() == 0
+    assert state.phase is Phase.IDLE and state.accumulator.local.abs().sum() == 0
 
 
 def test_plans_are_built_once_per_fetch_group_and_bucket(one_rank):

@@ -6,9 +6,9 @@ Usage: worker.py SCENARIO [options]; rank 0 prints one ODC_RESULT line.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import os
 import sys
-import tempfile
 import time
 
 import torch
@@ -165,19 +165,17 @@ def scenario_repeatable(args):
 
 
 def scenario_checkpoint(args):
-    """Save after 2 steps, continue 2 steps; a fresh engine loading the checkpoint must reproduce those 2 steps."""
+    """Save after 2 steps (into --dir, the test's own temporary folder), continue 2 steps; a fresh engine loading the
+    checkpoint must reproduce those 2 steps."""
     rank, world = rank_world()
     counts = [int(c) for c in args.counts.split(",")]
-    import torch.distributed as dist
-    tmp = [tempfile.mkdtemp(prefix="odc_ckpt_")] if rank == 0 else [None]
-    dist.broadcast_object_list(tmp, src=0)
     engine = build(tiny_llama(), ds_config(True, clip=args.clip, managed=False))
     train_uneven(engine, counts, 2)
-    engine.save_checkpoint(tmp[0], tag="step2")
+    engine.save_checkpoint(args.dir, tag="step2")
     train_uneven(engine, counts, 2, step_offset=2)
     uninterrupted = full_params(engine)
     resumed_engine = build(tiny_llama(seed=123), ds_config(True, clip=args.clip, managed=False))
-    resumed_engine.load_checkpoint(tmp[0], tag="step2")
+    resumed_engine.load_checkpoint(args.dir, tag="step2")
     train_uneven(resumed_engine, counts, 2, step_offset=2)
     resumed = full_params(resumed_engine)
     if rank == 0:
@@ -209,7 +207,9 @@ def count_collectives():
 
 
 def scenario_collectives(args):
-    """Count torch.distributed calls during forward and backward, stock vs ODC (uneven counts for ODC)."""
+    """Count torch.distributed calls during forward and backward, stock vs ODC (uneven counts for ODC); the last
+    minibatch runs under the torch profiler, whose ranges named ``ds_odc::...`` are reported."""
+    import torch.profiler
     rank, world = rank_world()
     out = {}
     for label, odc in (("stock", None), ("odc", True)):
@@ -218,30 +218,37 @@ def scenario_collectives(args):
         for step in range(2):
             samples = minibatch(step, 3 * world)
             mine = 2 if odc is None else (3 if rank == 0 else 1)
-            for k in range(mine):
-                s = samples[k * world + rank]
-                CALLS["on"] = True
-                loss = engine(input_ids=s, labels=s).loss
-                engine.backward(loss, scale_wrt_gas=odc is None)
-                CALLS["on"] = False
-                if odc is None:
+            with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU]) if step == 1 \
+                    else contextlib.nullcontext() as profiled:
+                for k in range(mine):
+                    s = samples[k * world + rank]
+                    CALLS["on"] = True
+                    loss = engine(input_ids=s, labels=s).loss
+                    engine.backward(loss, scale_wrt_gas=odc is None)
+                    CALLS["on"] = False
+                    if odc is None:
+                        engine.step()
+                if odc is not None:
                     engine.step()
-            if odc is not None:
-                engine.step()
-        out[label] = {"calls": sum(CALLS["by_name"].values()), "by_name": dict(CALLS["by_name"])}
+        out[label] = {"calls": sum(CALLS["by_name"].values()), "by_name": dict(CALLS["by_name"]),
+                      "ranges": sorted({e.name for e in profiled.events() if e.name.startswith("ds_odc::")})}
     if rank == 0:
         emit(out)
 
 
 def scenario_fence_timeout(args):
-    """Rank 1 arrives at the fence late (or dies): rank 0 must raise an error naming it within the timeout."""
+    """Rank ``--victim`` arrives at the fence late (or dies): rank 0 must raise an error naming it within the timeout
+    (with ``--shard-size``, also when the victim is in another shard group)."""
     rank, world = rank_world()
-    engine = build(tiny_llama(), ds_config({"enabled": True, "timeout_s": args.timeout}, managed=False))
-    if rank == 0:
-        emit({"tag": engine.optimizer.odc.transport.tag})
+    odc = {"enabled": True, "timeout_s": args.timeout}
+    if args.shard_size:
+        odc["shard_size"] = args.shard_size
+    engine = build(tiny_llama(), ds_config(odc, managed=False))
+    if rank == 0:  # the shm transport's file prefix (the GPU transport has none)
+        emit({"tag": getattr(engine.optimizer.odc.transport, "tag", None)})
 
     def stall(step):
-        if rank == 1 and step == 1:
+        if rank == args.victim and step == 1:
             if args.kill:
                 os.kill(os.getpid(), 9)
             time.sleep(args.timeout + 4)
@@ -307,6 +314,7 @@ def scenario_rejects(args):
         "stage3_module_granularity_threshold": {"stage3_module_granularity_threshold": 100},
         "enable_sanity_checks": {"enable_sanity_checks": True},
         "stage": {"stage": 2},
+        "shard_size": {"odc": {"enabled": True, "shard_size": 2}},  # 2 does not divide 1 rank
     }
     out = {}
     for option, zero in cases.items():
@@ -344,6 +352,8 @@ def main():
     parser.add_argument("--frozen", action="store_true")
     parser.add_argument("--timeout", type=float, default=10.0)
     parser.add_argument("--kill", action="store_true")
+    parser.add_argument("--victim", type=int, default=1, help="fence_timeout: the rank that is late or dies")
+    parser.add_argument("--shard-size", type=int, default=0, help="zero_optimization.odc.shard_size (0: unset)")
     parser.add_argument("--fault", choices=["kill-push", "kill-fetch", "stop"], default="kill-push")
     parser.add_argument("--bf16", action="store_true")
     parser.add_argument("--optimizer", choices=["adamw", "sgd"], default="adamw")
@@ -353,6 +363,7 @@ def main():
     parser.add_argument("--linear", choices=["deepspeed", "torch"], help="memory_efficient_linear true / false")
     parser.add_argument("--persist", type=int, default=0, help="stage3_param_persistence_threshold")
     parser.add_argument("--remote", action="store_true", help="odc.force_remote_path (GPU: NVSHMEM get/put only)")
+    parser.add_argument("--dir", help="a folder the test owns and removes (checkpoints)")
     parser.add_argument("--local_rank", type=int, default=None)  # the deepspeed launcher passes it
     args = parser.parse_args()
     if args.scenario == "collectives":

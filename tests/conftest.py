@@ -1,0 +1,69 @@
+"""Every test runs with a temporary folder of its own and must leave it empty.
+
+The suite points ``TMPDIR`` (and ``tempfile``) at a folder of its own, removed when pytest ends, so a run leaves
+nothing in the system's temporary folder. Inside it each test gets a fresh ``TMPDIR``, inherited by the processes it
+starts; whatever is still there when the test ends fails that test, by name. Write into pytest's ``tmp_path`` (or
+remove what the test makes) instead. Two folders torch itself makes there are removed without complaint, as no test
+can avoid them: torchrun's log folder (``torchelastic_*``) and torch.compile's precompiled headers
+(``torchinductor_*``, written to the temporary folder whatever its cache setting). The rest of torch.compile's cache
+is kept in the checkout's ``.torch_ext/`` (git ignores it) beside the JIT-built ops, so later runs reuse it. Ranks
+started through ``_support.launch`` get a folder of their own, removed when they end. Pass ``--basetemp DIR`` to
+keep ``tmp_path`` folders for a look after the run.
+
+Nothing here imports ds_odc: the check of this check (tests/test_temp_dir.py) runs it in a bare pytest.
+"""
+
+from __future__ import annotations
+
+import os
+import shutil
+import tempfile
+from pathlib import Path
+
+import pytest
+
+REPO = Path(__file__).resolve().parents[1]
+TEMP_VARIABLES = ("TMPDIR", "TMP", "TEMP")
+TORCH_OWN = ("torchelastic_", "torchinductor_")  # see the module docstring
+_suite_dir: Path | None = None
+
+
+def _point_temp_at(path: Path) -> None:
+    for name in TEMP_VARIABLES:
+        os.environ[name] = str(path)
+    tempfile.tempdir = str(path)
+
+
+def pytest_configure(config):
+    global _suite_dir
+    if _suite_dir is None:
+        os.environ.setdefault("TORCHINDUCTOR_CACHE_DIR", str(REPO / ".torch_ext" / "inductor"))
+        _suite_dir = Path(tempfile.mkdtemp(prefix="ds_odc_tests_"))
+        _point_temp_at(_suite_dir)  # before pytest first asks for its basetemp, which then lands in here
+
+
+def pytest_unconfigure(config):
+    if _suite_dir is not None:
+        shutil.rmtree(_suite_dir, ignore_errors=True)
+
+
+@pytest.fixture(autouse=True)
+def _temp_dir_left_empty(request, tmp_path_factory):
+    tmp_path_factory.getbasetemp()  # made now, so that it is no test's leftover
+    saved = {name: os.environ.get(name) for name in TEMP_VARIABLES}
+    own = Path(tempfile.mkdtemp(prefix="test_", dir=_suite_dir))
+    _point_temp_at(own)
+    try:
+        yield
+    finally:
+        for name, value in saved.items():
+            if value is None:
+                os.environ.pop(name, None)
+            else:
+                os.environ[name] = value
+        tempfile.tempdir = saved["TMPDIR"]
+        left = sorted(p.name for p in own.iterdir() if not p.name.startswith(TORCH_OWN))
+        shutil.rmtree(own, ignore_errors=True)
+    if left:
+        pytest.fail(f"{request.node.nodeid} left {left} in the temporary folder: write into pytest's tmp_path "
+                    "fixture instead, or remove what the test creates", pytrace=False)

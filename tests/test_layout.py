@@ -1,0 +1,258 @@
+"""The package's shape, read from its source (no import runs): the import graph of ``ds_odc/`` has no cycle and no
+arrow from a lower layer up into a higher one, the top of the package holds the public face only, every module says
+what it exports (``__all__``), and no module takes another module's private name.
+
+Every import counts, the ones inside functions too: an import deferred to call time is still a dependency.
+"""
+
+from __future__ import annotations
+
+import ast
+import functools
+from dataclasses import dataclass
+from pathlib import Path
+
+PACKAGE = Path(__file__).resolve().parents[1] / "ds_odc"
+
+# Lower layers know nothing of higher ones. The public face (``ds_odc/__init__``, ``__main__``) sits on top and
+# imports everything lazily (inside functions); ``config`` lives at the top for users but depends only on DeepSpeed.
+LAYERS = {
+    "ds_odc.balancer": 0,  # pure Python + numpy: a leaf
+    "ds_odc.ops": 1,
+    "ds_odc.config": 1,
+    "ds_odc.zero": 2,
+    "ds_odc.training": 3,
+    "ds_odc.integrations": 4,
+    "ds_odc.recipes": 4,
+    "ds_odc.cli": 5,
+    "ds_odc.__main__": 6,
+    "ds_odc": 6,
+}
+# ``import ds_odc`` inside the package is for these only: ``patch()`` installs zero/ and config, so such an import
+# counts as one of the zero layer.
+ROOT_ATTRIBUTES_INSIDE = {"patch", "__version__", "__file__"}
+ROOT_AS_IMPORTED = LAYERS["ds_odc.zero"]
+TOP_MODULES = {"__init__.py", "__main__.py", "config.py"}
+
+# Private names passed between modules and import cycles still waiting for a cleanup; each entry must still occur.
+PENDING_PRIVATE_IMPORTS: set[tuple[str, str, str]] = set()
+PENDING_CYCLES: set[tuple[str, ...]] = set()
+
+
+@dataclass(frozen=True)
+class Import:
+    importer: str
+    target: str  # a module of ds_odc
+    name: str | None  # the name taken from it (``from target import name``), None for ``import target``
+    lineno: int
+    in_function: bool
+
+
+def _module_name(path: Path) -> str:
+    parts = path.relative_to(PACKAGE.parent).with_suffix("").parts
+    return ".".join(parts[:-1] if parts[-1] == "__init__" else parts)
+
+
+@functools.cache
+def _modules() -> dict[str, ast.Module]:
+    return {_module_name(p): ast.parse(p.read_text(), str(p)) for p in sorted(PACKAGE.rglob("*.py"))}
+
+
+def _function_lines(tree: ast.Module) -> set[int]:
+    return {n.lineno for f in ast.walk(tree) if isinstance(f, (ast.FunctionDef, ast.AsyncFunctionDef))
+            for n in ast.walk(f) if isinstance(n, (ast.Import, ast.ImportFrom))}
+
+
+@functools.cache
+def _imports() -> tuple[Import, ...]:
+    modules, found = _modules(), []
+    for name, tree in modules.items():
+        is_package = name == "ds_odc" or (PACKAGE.parent / name.replace(".", "/") / "__init__.py").exists()
+        deferred = _function_lines(tree)
+        for node in ast.walk(tree):
+            if isinstance(node, ast.Import):
+                for alias in node.names:
+                    if alias.name.split(".")[0] == "ds_odc":
+                        found.append(Import(name, alias.name, None, node.lineno, node.lineno in deferred))
+            elif isinstance(node, ast.ImportFrom):
+                if node.level:
+                    base = name.split(".")[:len(name.split(".")) - node.level + is_package]
+                    source = ".".join(base + ([node.module] if node.module else []))
+                else:
+                    source = node.module or ""
+                if source.split(".")[0] != "ds_odc":
+                    continue
+                for alias in node.names:
+                    submodule = f"{source}.{alias.name}"
+                    if submodule in modules:  # ``from package import module``
+                        found.append(Import(name, submodule, None, node.lineno, node.lineno in deferred))
+                    else:
+                        found.append(Import(name, source, alias.name, node.lineno, node.lineno in deferred))
+    return tuple(found)
+
+
+def _layer(module: str) -> int:
+    owner = max((p for p in LAYERS if module == p or module.startswith(p + ".")), key=len)
+    return LAYERS[owner]
+
+
+def _where(i: Import) -> str:
+    return f"{i.importer}:{i.lineno} imports {i.target}" + (f".{i.name}" if i.name else "")
+
+
+def test_the_graph_sees_every_kind_of_import():
+    """The parser behind the other checks: relative, deferred and ``from package import module`` imports."""
+    edges = {(i.importer, i.target, i.in_function) for i in _imports()}
+    assert ("ds_odc.balancer.fit", "ds_odc.balancer.lsq", False) in edges  # from .lsq import ...
+    assert ("ds_odc", "ds_odc.zero.optimizer", True) in edges  # inside patch()
+    assert ("ds_odc.zero.optimizer", "ds_odc.zero._deepspeed_privates", False) in edges  # from ds_odc.zero import _x
+
+
+def _cycles() -> set[tuple[str, ...]]:
+    graph: dict[str, set[str]] = {}
+    for i in _imports():
+        if i.target != i.importer:
+            graph.setdefault(i.importer, set()).add(i.target)
+    found, done, path = set(), set(), []
+
+    def visit(node):
+        if node in path:
+            cycle = path[path.index(node):]
+            first = cycle.index(min(cycle))
+            found.add(tuple(cycle[first:] + cycle[:first]))
+            return
+        if node in done:
+            return
+        path.append(node)
+        for nxt in sorted(graph.get(node, ())):
+            visit(nxt)
+        path.pop()
+        done.add(node)
+
+    for node in sorted(graph):
+        visit(node)
+    return found
+
+
+def _assert_only_pending(found: set, pending: set, what: str, fix: str, name: str) -> None:
+    """``found`` holds nothing beyond ``pending``, and everything in ``pending`` still occurs (else it is stale)."""
+    assert not found - pending, f"{what}: {sorted(found - pending)}; {fix}"
+    assert not pending - found, f"{sorted(pending - found)} no longer occur: remove them from {name}"
+
+
+def test_no_import_cycle():
+    _assert_only_pending(_cycles(), PENDING_CYCLES, "modules that import each other (directly or around a loop)",
+                         "move what both need into a module below them", "PENDING_CYCLES")
+
+
+def test_no_import_runs_up_a_layer():
+    upward = []
+    for i in _imports():
+        if i.importer in ("ds_odc", "ds_odc.__main__"):
+            continue  # the public face: may import any layer, lazily (checked below)
+        target_layer = ROOT_AS_IMPORTED if i.target == "ds_odc" else _layer(i.target)
+        if target_layer > _layer(i.importer):
+            upward.append(_where(i))
+    assert not upward, ("imports from a lower layer into a higher one (balancer < ops, config < zero < training < "
+                        f"integrations, recipes < cli < the public face): {upward}")
+
+
+def test_the_public_face_imports_lazily_and_is_used_inside_only_for_patch():
+    eager = [_where(i) for i in _imports() if i.importer in ("ds_odc", "ds_odc.__main__") and not i.in_function]
+    assert not eager, f"the package's top imports these at import time, so `import ds_odc` would load them: {eager}"
+    leaf = [_where(i) for i in _imports() if i.importer.startswith("ds_odc.balancer")
+            and not i.target.startswith("ds_odc.balancer")]
+    assert not leaf, f"the balancer is a leaf (pure Python, used by the rest): {leaf}"
+    for name, tree in _modules().items():
+        if name == "ds_odc" or not any(i.importer == name and i.target == "ds_odc" and i.name is None
+                                       for i in _imports()):
+            continue
+        used = {n.attr for n in ast.walk(tree) if isinstance(n, ast.Attribute)
+                and isinstance(n.value, ast.Name) and n.value.id == "ds_odc"}
+        assert used <= ROOT_ATTRIBUTES_INSIDE, (f"{name} uses ds_odc.{sorted(used - ROOT_ATTRIBUTES_INSIDE)}: import "
+                                                "it from the module that defines it")
+
+
+def test_at_most_four_modules_at_the_top():
+    top = {p.name for p in PACKAGE.glob("*.py")}
+    assert len(top) <= 4 and top == TOP_MODULES, (f"the top of ds_odc/ holds the public face only ({sorted(TOP_MODULES)}"
+                                                  f"); found {sorted(top)}: put the others in a package")
+
+
+def _literals(tree: ast.Module) -> dict[str, object]:
+    """Module-level ``NAME = <literal>`` assignments."""
+    found = {}
+    for node in tree.body:
+        if isinstance(node, (ast.Assign, ast.AnnAssign)) and node.value is not None:
+            target = node.targets[0] if isinstance(node, ast.Assign) else node.target
+            if isinstance(target, ast.Name):
+                try:
+                    found[target.id] = ast.literal_eval(node.value)
+                except ValueError:
+                    pass
+    return found
+
+
+def _all_of(tree: ast.Module) -> list[str] | None:
+    """``__all__``: a list of strings, or of strings and ``*NAME`` of a literal (the top's lazy exports)."""
+    for node in tree.body:
+        target = node.targets[0] if isinstance(node, ast.Assign) else getattr(node, "target", None)
+        if isinstance(target, ast.Name) and target.id == "__all__":
+            names = []
+            for item in node.value.elts:
+                names.extend(_literals(tree)[item.value.id] if isinstance(item, ast.Starred) else [item.value])
+            return names
+    return None
+
+
+def _defined(tree: ast.Module) -> set[str]:
+    names = set()
+    for node in tree.body:
+        if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef, ast.ClassDef)):
+            names.add(node.name)
+        elif isinstance(node, (ast.Assign, ast.AnnAssign)):
+            for target in node.targets if isinstance(node, ast.Assign) else [node.target]:
+                names.update(n.id for n in ast.walk(target) if isinstance(n, ast.Name))
+        elif isinstance(node, (ast.Import, ast.ImportFrom)):
+            names.update((a.asname or a.name).split(".")[0] for a in node.names)
+    return names
+
+
+def test_every_module_says_what_it_exports():
+    problems = []
+    for name, tree in _modules().items():
+        exported = _all_of(tree)
+        if exported is None:
+            problems.append(f"{name} has no __all__")
+            continue
+        defined = _defined(tree)
+        if "__getattr__" in defined:  # a lazy package: its names are the keys of the table its __getattr__ reads
+            defined |= {k for v in _literals(tree).values() if isinstance(v, dict) for k in v}
+        missing = set(exported) - defined
+        private = [n for n in exported if n.startswith("_") and not n.startswith("__")]
+        if missing or private or len(set(exported)) != len(exported):
+            problems.append(f"{name}.__all__: not defined {sorted(missing)}, private {private}, or repeated")
+    assert not problems, problems
+
+
+def _private_imports() -> set[tuple[str, str, str]]:
+    """(importer, module, name) for every underscore name taken from another module, and every underscore module
+    imported from outside the package that holds it (its package and the packages above it may use it)."""
+    found = set()
+    for i in _imports():
+        if i.name is not None and i.name.startswith("_") and i.target != i.importer:
+            found.add((i.importer, i.target, i.name))
+        parts = i.target.split(".")
+        for depth, part in enumerate(parts):
+            if part.startswith("_") and not part.startswith("__"):
+                package = ".".join(parts[:depth])
+                if not (i.importer == package or i.importer.startswith(package + ".")
+                        or package.startswith(i.importer + ".")):
+                    found.add((i.importer, package, part))
+    return found
+
+
+def test_no_private_name_crosses_modules():
+    _assert_only_pending(_private_imports(), PENDING_PRIVATE_IMPORTS, "private names taken from another module",
+                         "make them public (in the module's __all__) or keep the code that needs them in one module",
+                         "PENDING_PRIVATE_IMPORTS")
