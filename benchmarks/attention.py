@@ -29,12 +29,13 @@ import torch.nn.functional as F
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 from ds_odc.training import attention  # noqa: E402
+from ds_odc.balancer.lengths import read_lengths  # noqa: E402
 from ds_odc.balancer.presets import longtail_from_normals  # noqa: E402
 
 
 def row_shapes(row_tokens: int, lengths_file: str | None) -> dict[str, list[int]]:
     if lengths_file:
-        pool = [int(x) for x in Path(lengths_file).read_text().split()]
+        pool = read_lengths(lengths_file).tolist()
     else:
         g = torch.Generator().manual_seed(0)
         pool = [int(x) for x in longtail_from_normals(torch.randn(64, generator=g).numpy())]

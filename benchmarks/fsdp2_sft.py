@@ -21,6 +21,7 @@ import torch
 import torch.distributed as dist
 
 from ds_odc.training.collate import PackedCollator
+from ds_odc.balancer.planners import get_planner
 from ds_odc.balancer.sampler import BalancedBatchSampler
 from ds_odc.training.loss import global_mean_weight
 from ds_odc.training.metrics import StepClock, gather_step, summarize
@@ -34,7 +35,7 @@ def main():
     parser = sft_argument_parser(__doc__, deepspeed_config=False)
     parser.add_argument("--engine", default="fsdp2", choices=["fsdp2", "plain"])
     args = parser.parse_args()
-    if args.balancer == "lb-mini" and args.engine == "fsdp2":
+    if get_planner(args.balancer).runtime != "collective" and args.engine == "fsdp2":
         raise SystemExit("FSDP2 runs collectives every microbatch: use --balancer local-sort or lb-micro")
     from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
     from transformers import AutoModelForCausalLM

@@ -1,13 +1,15 @@
 """Time planning one minibatch (default: 4,096 samples on 512 ranks, long-sft lengths, max_tokens 65,536).
 
 Run on one core:  taskset -c 0 python benchmarks/plan_speed.py
-Target: < 50 ms per plan for lb-mini and lb-micro.  Prints a table over --repeats minibatches (different seeds):
-median CPU time of this process (robust when other jobs share the core), median wall time and worst CPU time.
+Target: < 50 ms per plan for lb-mini, lb-mini-sp and lb-micro.  Prints a table over --repeats minibatches
+(different seeds): median CPU time of this process (robust when other jobs share the core), median wall time and worst CPU time.
 Then the automatic cost's refit per step at the same rank count (target < 1 ms): one ``AutoCost.observe`` of every
 rank's numbers, window full.
 
 --cost: tokens, quadratic (the Qwen2.5-1.5B shape's FLOPs) or fitted (the 1.5B fit on H200: 1.05e-9 s per token^2
-and 0.27 s per microbatch, which makes lb-mini's packing count microbatches).
+and 0.27 s per microbatch, which makes lb-mini's packing count microbatches). A planner that splits samples
+(``lb-mini-sp``) plans with the split policy of ``--split-model`` (its heads and exchange). Samples longer than a
+planner can train are truncated (``--oversize``).
 """
 
 from __future__ import annotations
@@ -21,8 +23,10 @@ import sys
 import time
 
 from ds_odc.balancer import FittedCost, QuadraticCost, plan_minibatch
+from ds_odc.balancer.planners import BASELINE_PLANNER
 from ds_odc.balancer.autocost import AutoCost
-from ds_odc.balancer.presets import get_preset
+from ds_odc.balancer.presets import MODEL_SHAPES, get_preset
+from ds_odc.balancer.sp import SplitPolicy
 
 COSTS = {
     "tokens": "tokens",
@@ -36,12 +40,17 @@ def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--samples", type=int, default=4096)
     ap.add_argument("--ranks", type=int, default=512)
-    ap.add_argument("--max-tokens", type=int, default=65536)
+    ap.add_argument("--max-tokens", type=int, default=65536, help="0: no budget (one sample per microbatch)")
     ap.add_argument("--preset", default="long-sft")
     ap.add_argument("--cost", default="tokens", choices=sorted(COSTS))
     ap.add_argument("--repeats", type=int, default=20)
-    ap.add_argument("--planners", default="lb-mini,lb-micro,local-sort")
+    ap.add_argument("--planners", default="lb-mini,lb-mini-sp,lb-micro,local-sort")
+    ap.add_argument("--split-model", default="qwen2.5-1.5b", choices=sorted(MODEL_SHAPES),
+                    help="the model shape whose SplitPolicy a splitting planner plans with")
+    ap.add_argument("--oversize", default="truncate", choices=["error", "truncate", "skip"])
     args = ap.parse_args(argv)
+    split = SplitPolicy.from_hf_config(MODEL_SHAPES[args.split_model])
+    args.max_tokens = args.max_tokens or None
 
     # `import ds_odc` pulls in deepspeed and torch: a generation-2 GC pass over their objects costs ~90 ms and
     # lands inside a random repeat.  Freezing them (as a training script can) keeps the measurement about planning.
@@ -52,26 +61,30 @@ def main(argv: list[str] | None = None) -> int:
     except AttributeError:  # pragma: no cover
         cpus = []
     print(f"python {platform.python_version()} on {platform.machine()}, allowed cpus {cpus}")
-    print(f"{args.samples} samples ({args.preset}), {args.ranks} ranks, max_tokens {args.max_tokens}, cost {args.cost}")
+    print(f"{args.samples} samples ({args.preset}), {args.ranks} ranks, max_tokens {args.max_tokens}, "
+          f"cost {args.cost}, split policy of {args.split_model}")
     print(f"{'planner':<12} {'cpu med ms':>10} {'wall med ms':>11} {'cpu max ms':>10} {'max mb/rank':>12}  target")
     worst = 0.0
     for name in args.planners.split(","):
         cpu, wall = [], []
         warm = get_preset(args.preset).sample(args.samples, seed=10_000).tolist()
         cost = COSTS[args.cost]
-        plan_minibatch(warm, args.ranks, planner=name, max_tokens=args.max_tokens, cost=cost)  # warm-up
+        options = dict(max_tokens=args.max_tokens, cost=cost, oversize=args.oversize, split=split)
+        plan_minibatch(warm, args.ranks, planner=name, **options)  # warm-up
         for rep in range(args.repeats):
             lengths = get_preset(args.preset).sample(args.samples, seed=rep).tolist()
             t0, c0 = time.perf_counter(), time.process_time()
-            plan = plan_minibatch(lengths, args.ranks, planner=name, max_tokens=args.max_tokens, cost=cost)
+            plan = plan_minibatch(lengths, args.ranks, planner=name, **options)
             cpu.append(time.process_time() - c0)
             wall.append(time.perf_counter() - t0)
         med = statistics.median(cpu) * 1e3
-        if name != "local-sort":
+        if name != BASELINE_PLANNER:
             worst = max(worst, med)
         mbs = max(plan.num_microbatches(r) for r in range(args.ranks))
+        splits = f" ({len(plan.splits)} split)" if plan.splits else ""
         print(
             f"{name:<12} {med:>10.1f} {statistics.median(wall) * 1e3:>11.1f} {max(cpu) * 1e3:>10.1f} {mbs:>12}  < 50 ms"
+            + splits
         )
     ok = worst < 50.0
     print("PASS" if ok else "SLOWER THAN TARGET", f"(slowest balanced planner: median CPU {worst:.1f} ms)")

@@ -17,6 +17,7 @@ import argparse
 import torch
 
 import ds_odc  # noqa: F401  (teaches DeepSpeed the `odc` key: import before TrainingArguments and the model)
+from ds_odc.balancer.planners import DEFAULT_PLANNER, PLANNERS
 from ds_odc.training.distributed import init_distributed, shutdown
 
 PRESETS = {  # name: (hidden, layers, heads, kv heads, intermediate, vocab, max_tokens_per_microbatch, max_len)
@@ -31,7 +32,8 @@ def parse_args():
     p.add_argument("--preset", choices=sorted(PRESETS), default="tiny")
     p.add_argument("--odc", action=argparse.BooleanOptionalAction, default=True,
                    help="ODC + LB-Mini (default) or stock ZeRO-3 with the stock Trainer (--no-odc)")
-    p.add_argument("--planner", default="lb-mini", choices=["lb-mini", "lb-micro", "local-sort"])
+    p.add_argument("--planner", default=DEFAULT_PLANNER, choices=list(PLANNERS),
+                   help="; ".join(f"{spec.name}: {spec.description}" for spec in PLANNERS.values()))
     p.add_argument("--max-tokens", type=int, default=None, help="token budget per microbatch (preset default)")
     p.add_argument("--per-device-batch", type=int, default=4, help="per_device_train_batch_size")
     p.add_argument("--grad-accum", type=int, default=2, help="gradient_accumulation_steps")

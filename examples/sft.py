@@ -17,13 +17,15 @@ import torch
 
 import ds_odc  # noqa: F401  (before the model is built: installs the odc config key)
 from ds_odc.training.collate import PackedCollator
+from ds_odc.balancer.planners import get_planner
 from ds_odc.balancer.sampler import BalancedBatchSampler
 from ds_odc.config import odc_config_from_ds_config
 from ds_odc.training.loss import global_mean_weight
+from ds_odc.training.sequence_parallel import SequenceParallel
 from ds_odc.training.metrics import StepClock, gather_step, summarize
 from ds_odc.training.profiling import decoder_layers, describe, profile_step
-from ds_odc.recipes.sft import (cost_from_args, on_device, plan_attention, prepare_model, samples_from_args,
-                            sft_argument_parser)
+from ds_odc.recipes.sft import (attention_from_args, cost_from_args, on_device, plan_attention, prepare_model,
+                                samples_from_args, sft_argument_parser, split_policy_from_args)
 from ds_odc.training.distributed import init_distributed, shutdown_and_exit
 from ds_odc.recipes.workloads import model_config, sample_tokens
 
@@ -34,7 +36,7 @@ def parse_args(argv=None):
 
 def build_model(args, ds_config: dict, device: torch.device):
     from transformers import AutoConfig, AutoModelForCausalLM
-    attn = args.attn_implementation
+    attn = attention_from_args(args)
     dtype = torch.bfloat16 if ds_config.get("bf16", {}).get("enabled") else torch.float32
     config = AutoConfig.from_pretrained(args.model_path) if args.model_path else model_config(args.model)
     config.use_cache = False  # packed rows: transformers only detects sample boundaries without a cache
@@ -73,9 +75,9 @@ def train(args) -> dict | None:
 
     ds_config = json.loads(Path(args.deepspeed).read_text())
     odc_on = odc_config_from_ds_config(ds_config).enabled
-    if args.balancer == "lb-mini" and not odc_on:
-        raise SystemExit("--balancer lb-mini gives ranks different numbers of microbatches, which only ODC can run: "
-                         'add "odc": true to zero_optimization in the ds_config, or use --balancer lb-micro')
+    if get_planner(args.balancer).runtime == "odc" and not odc_on:
+        raise SystemExit(f"--balancer {args.balancer} gives ranks different numbers of microbatches, which only ODC "
+                         'can run: add "odc": true to zero_optimization in the ds_config, or use --balancer lb-micro')
     ds_config["train_micro_batch_size_per_gpu"] = 1
     ds_config["gradient_accumulation_steps"] = 1  # boundaries are set explicitly: any count per rank
     ds_config.pop("train_batch_size", None)
@@ -91,10 +93,12 @@ def train(args) -> dict | None:
         torch.cuda.reset_peak_memory_stats()  # peak memory of training, not of building the unpartitioned model
 
     cost = cost_from_args(args, model.config)
+    split = split_policy_from_args(args, model.config)  # how samples split over groups of ranks (lb-mini-sp)
+    sp = None if split is None else SequenceParallel(split, timeout_s=odc_config_from_ds_config(ds_config).timeout_s)
     sampler = BalancedBatchSampler(lengths.tolist(), world_size=world, rank=rank, minibatch_size=args.minibatch_size,
                                    max_tokens=args.max_tokens, planner=args.balancer, seed=args.seed,
                                    shuffle=not args.no_shuffle, cost=cost, oversize=args.oversize,
-                                   model_config=model.config)
+                                   model_config=model.config, split=split)
     if rank == 0 and sampler.data_report.message():
         print(sampler.data_report.message(), flush=True)
     collate = PackedCollator()
@@ -111,7 +115,9 @@ def train(args) -> dict | None:
                         disable=args.quiet)
     clock = StepClock()
     profile = None
+    split_samples = 0  # split samples this rank trained a slice of
     for step, batch in zip(range(steps), sampler):
+        split_samples += len(batch.splits)
         weight = global_mean_weight(batch.num_label_tokens, world)
         profiling = (profile_step(args.profile_dir, rank, decoder_layers(model))
                      if step == args.profile_step else contextlib.nullcontext())
@@ -120,13 +126,22 @@ def train(args) -> dict | None:
         k = len(batch.microbatches)
         with profiling as profiled:
             for i, mb in enumerate(batch.microbatches):
-                samples = [{"input_ids": sample_ids(j)[:args.max_tokens] if j in batch.truncated else sample_ids(j)}
-                           for j in mb]
-                row = on_device(collate(samples), device)
+                samples = [{"input_ids": sample_ids(j)[:sampler.token_limit] if j in batch.truncated
+                            else sample_ids(j)} for j in mb]
                 engine.set_gradient_accumulation_boundary(i == k - 1)
-                # The loss sum divided by N / W: this microbatch's share of the global mean (ds_odc.training.loss).
-                loss = engine(**row, num_items_in_batch=1 / weight).loss
-                engine.backward(loss, scale_wrt_gas=False)
+                if mb[0] in batch.splits:  # a sample split over a group of ranks: this rank trains its slice
+                    piece = sp.slice(samples[0], batch.splits[mb[0]], device=device)
+                    with sp.run(piece):  # forward and backward over the group
+                        # labels switch the model's loss on; shift_labels, shifted over the whole sample, replace them
+                        loss = engine(input_ids=piece.input_ids, position_ids=piece.position_ids,
+                                      labels=piece.shift_labels, shift_labels=piece.shift_labels,
+                                      num_items_in_batch=1 / weight).loss
+                        engine.backward(loss, scale_wrt_gas=False)
+                else:
+                    row = on_device(collate(samples), device)
+                    # The loss sum divided by N / W: this microbatch's share of the global mean (ds_odc.training.loss)
+                    loss = engine(**row, num_items_in_batch=1 / weight).loss
+                    engine.backward(loss, scale_wrt_gas=False)
                 engine.step()
                 loss_share += loss.item() / world
             if k == 0:  # a rank with no microbatch still joins the step
@@ -135,7 +150,7 @@ def train(args) -> dict | None:
         if profiled is not None:
             profile = profiled
         busy, step_time = clock.finish(getattr(engine.optimizer, "odc_wait_s", 0.0))
-        tokens, sq_tokens = sampler.load(batch.microbatches)  # as the plan counts them: its documents' squares
+        tokens, sq_tokens = sampler.load(batch.microbatches, batch.splits)  # as the plan counts them
         record = gather_step(loss_share, busy, step_time, k, tokens, batch.num_samples, sq_tokens=sq_tokens)
         if step != args.profile_step:  # the profiler's own overhead is no cost of the plan
             update = sampler.observe(record)  # the same gathered record on every rank: the same refit
@@ -155,7 +170,7 @@ def train(args) -> dict | None:
         config = {k: v for k, v in vars(args).items() if k != "local_rank"}
         config.update(world_size=world, odc=odc_on, device=str(device), deepspeed_version=deepspeed.__version__)
         out = {"config": config, "data": sampler.data_report.as_dict(), "steps": [r.as_dict() for r in records],
-               "summary": summary}
+               "summary": summary, "split_samples_rank0": split_samples}
         if profile:
             out["profile_rank0"] = profile
             print(f"profile of step {args.profile_step} (rank 0): {describe(profile)}; files in "

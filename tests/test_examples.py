@@ -68,6 +68,29 @@ def test_sft_checks_the_data_up_front_and_fits_the_cost_on_one_rank(tmp_path):
     assert f"dataset index {run['data']['first_truncated'][0]}" in bad.stdout + bad.stderr
 
 
+def test_sft_lb_mini_sp_splits_long_samples_and_keeps_the_loss_curve(tmp_path):
+    """examples/sft.py --balancer lb-mini-sp on 2 CPU ranks: samples longer than --max-tokens are trained whole,
+    split over both ranks, and every step's loss equals lb-mini's with no budget (each sample whole on one rank),
+    to 1e-5 relative (measured 1e-7)."""
+    lengths = tmp_path / "lengths.txt"
+    per_step = [[150 + 10 * step] + [12 + 4 * i for i in range(7)] for step in range(4)]  # one long sample each
+    lengths.write_text("\n".join(str(n) for step in per_step for n in step))
+    runs = {}
+    for balancer, budget in (("lb-mini", []), ("lb-mini-sp", ["--max-tokens", "96"])):
+        metrics = tmp_path / f"{balancer}.json"
+        cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2",
+               str(ROOT / "examples" / "sft.py"), "--deepspeed", str(ROOT / "ds_configs" / "zero3_odc_fp32_cpu.json"),
+               "--balancer", balancer, "--lengths-file", str(lengths), "--no-shuffle", "--minibatch-size", "4",
+               "--steps", "4", "--cost", "tokens", "--quiet", "--metrics-json", str(metrics), *budget]
+        proc = subprocess.run(cmd, env=cpu_env(), capture_output=True, text=True, timeout=300)
+        assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-3000:]
+        runs[balancer] = json.loads(metrics.read_text())
+    assert runs["lb-mini-sp"]["split_samples_rank0"] == 4  # the long sample of every step
+    assert runs["lb-mini-sp"]["data"]["truncated_samples"] == 0
+    for a, b in zip(runs["lb-mini"]["steps"], runs["lb-mini-sp"]["steps"]):
+        assert abs(a["loss"] - b["loss"]) <= 1e-5 * abs(a["loss"])
+
+
 def test_lb_mini_without_odc_is_refused():
     cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=1",
            str(ROOT / "examples" / "sft.py"), "--deepspeed", str(ROOT / "ds_configs" / "zero3_fp32_cpu.json"),

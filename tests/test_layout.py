@@ -34,13 +34,9 @@ ROOT_ATTRIBUTES_INSIDE = {"patch", "__version__", "__file__"}
 ROOT_AS_IMPORTED = LAYERS["ds_odc.zero"]
 TOP_MODULES = {"__init__.py", "__main__.py", "config.py"}
 
-# Private names the balancer still passes between its modules, until its cleanup lands; each entry must still occur.
-PENDING_PRIVATE_IMPORTS = {
-    ("ds_odc.balancer.planners", "ds_odc.balancer.packing", "_fewest"),
-    ("ds_odc.balancer.planners", "ds_odc.balancer.packing", "_pack_local"),
-    ("ds_odc.balancer.sp", "ds_odc.balancer.partitioner", "_local_search"),
-}
-PENDING_CYCLES = {("ds_odc.balancer.planners", "ds_odc.balancer.sp")}
+# Private names passed between modules and import cycles still waiting for a cleanup; each entry must still occur.
+PENDING_PRIVATE_IMPORTS: set[tuple[str, str, str]] = set()
+PENDING_CYCLES: set[tuple[str, ...]] = set()
 
 
 @dataclass(frozen=True)

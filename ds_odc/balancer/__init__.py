@@ -8,11 +8,13 @@ collator that turns a plan's microbatches into rows is ``ds_odc.training.collate
 from .autocost import AutoCost, CostUpdate
 from .checks import DataError, DataReport
 from .cost import CostModel, FittedCost, QuadraticCost, TokenCost, get_cost_model
+from .lengths import lengths_from_dataset, lengths_from_file, read_lengths, sq_lengths_from_dataset
 from .packing import PackingError, first_fit_decreasing, pack
 from .partitioner import greedy_lpt, makespan, partition
-from .planners import OVERSIZE_POLICIES, PLANNERS, Plan, plan_minibatch
-from .sampler import (BalancedBatchSampler, RankBatch, lengths_from_dataset, lengths_from_file,
-                      sq_lengths_from_dataset)
+from .plan import OVERSIZE_POLICIES, Plan, SplitSample
+from .planners import PLANNERS, Planner, get_planner, plan_minibatch
+from .sampler import BalancedBatchSampler, RankBatch
+from .sp import SplitPlan, SplitPolicy
 
 __all__ = [
     "CostModel",
@@ -31,11 +33,17 @@ __all__ = [
     "first_fit_decreasing",
     "PackingError",
     "Plan",
+    "SplitSample",
     "plan_minibatch",
+    "Planner",
     "PLANNERS",
+    "get_planner",
     "OVERSIZE_POLICIES",
+    "SplitPolicy",
+    "SplitPlan",
     "BalancedBatchSampler",
     "RankBatch",
+    "read_lengths",
     "lengths_from_dataset",
     "lengths_from_file",
     "sq_lengths_from_dataset",

@@ -23,7 +23,7 @@ from typing import Sequence
 from .cost import CostModel, get_cost_model
 from .partitioner import partition
 
-__all__ = ["pack", "first_fit_decreasing", "PackingError"]
+__all__ = ["pack", "pack_positions", "fewest_bins", "first_fit_decreasing", "PackingError"]
 
 
 class PackingError(ValueError):
@@ -65,7 +65,7 @@ def pack(
                 f"sample {i} has {L} tokens, more than max_tokens={max_tokens}; raise max_tokens or use the "
                 "planner's oversize='truncate' / 'skip' policy"
             )
-    local = _pack_local(lens, costs, max_tokens, k)
+    local = pack_positions(lens, costs, max_tokens, k)
     return [[idx[j] for j in mb] for mb in local]
 
 
@@ -87,16 +87,16 @@ def first_fit_decreasing(lens: Sequence[int], max_tokens: int) -> list[list[int]
     return bins
 
 
-def _pack_local(
+def pack_positions(
     lens: list[int], costs: list[float], max_tokens: int | None, k: int | None
 ) -> list[list[int]]:
-    """Core of :func:`pack` on local positions ``0..n-1`` with precomputed lengths and costs."""
+    """:func:`pack` on positions ``0..n-1`` with precomputed lengths and costs (what the planners call)."""
     n = len(lens)
     if k is None:
-        if max_tokens is None:
-            bins = [[j] for j in range(n)]
+        if max_tokens is None:  # one sample each, heaviest first: what _order makes of singletons, sorted once
+            return [[j] for j in sorted(range(n), key=lambda j: (-costs[j], j))]
         else:
-            bins = _fewest(lens, max_tokens)
+            bins = fewest_bins(lens, max_tokens)
     else:
         if k < 1:
             raise ValueError(f"k must be >= 1, got {k}")
@@ -108,7 +108,10 @@ def _fits(bins: list[list[int]], lens: list[int], max_tokens: int) -> bool:
     return all(sum(lens[j] for j in b) <= max_tokens for b in bins)
 
 
-def _fewest(lens: list[int], max_tokens: int) -> list[list[int]]:
+def fewest_bins(lens: list[int], max_tokens: int) -> list[list[int]]:
+    """Positions ``0..n-1`` in as few bins of ``max_tokens`` as found: FFD, or a token-balanced partition into
+    fewer bins (from the lower bound ``ceil(tokens / max_tokens)`` up) when one fits. A longer item gets a bin
+    of its own."""
     if not lens:
         return []
     ffd = first_fit_decreasing(lens, max_tokens)
@@ -130,7 +133,7 @@ def _exactly(lens: list[int], costs: list[float], max_tokens: int | None, k: int
     bins = partition(lens, k)
     if _fits(bins, lens, max_tokens):
         return bins
-    bins = _fewest(lens, max_tokens)
+    bins = fewest_bins(lens, max_tokens)
     if len(bins) > k:
         raise PackingError(
             f"{n} samples with {sum(lens)} tokens need more than k={k} microbatches of max_tokens={max_tokens}"

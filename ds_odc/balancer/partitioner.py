@@ -48,7 +48,7 @@ from typing import Sequence
 
 import numpy as np
 
-__all__ = ["partition", "greedy_lpt", "makespan", "DEFAULT_MAX_PARTNERS"]
+__all__ = ["partition", "greedy_lpt", "makespan", "exchange_search", "DEFAULT_MAX_PARTNERS"]
 
 DEFAULT_MAX_PARTNERS = 16
 FREE_KK_MAX_ITEMS = 1024
@@ -120,7 +120,7 @@ def partition(
         # local search, whose 1-for-1 swaps then keep the sizes (q or q + 1) as they are.
         bins = [[i for i in b if i < n] for b in _kk_equal(c + [0.0] * (n_pad - n), k)]
         if local_search:
-            _local_search(bins, c, allow_moves=False, max_evals=evals, max_partners=max_partners)
+            exchange_search(bins, c, allow_moves=False, max_evals=evals, max_partners=max_partners)
         return [sorted(b) for b in bins]
     if n <= FREE_KK_MAX_ITEMS:
         bins = _kk_free(c, k)
@@ -128,12 +128,12 @@ def partition(
         n_pad = -(-n // k) * k
         bins = [[i for i in b if i < n] for b in _kk_equal(c + [0.0] * (n_pad - n), k)]
     if local_search:
-        _local_search(bins, c, allow_moves=True, max_evals=evals, max_partners=max_partners)
+        exchange_search(bins, c, allow_moves=True, max_evals=evals, max_partners=max_partners)
     # Portfolio: only worth a second search when greedy LPT already starts below the KK result.
     lpt = greedy_lpt(c, k)
     if _bin_max(c, lpt) < _bin_max(c, bins):
         if local_search:
-            _local_search(lpt, c, allow_moves=True, max_evals=evals, max_partners=max_partners)
+            exchange_search(lpt, c, allow_moves=True, max_evals=evals, max_partners=max_partners)
         bins = lpt
     return [sorted(b) for b in bins]
 
@@ -226,7 +226,7 @@ def _merge(ha: list, mxa: float, hb: list, mxb: float, k: int, members: list[lis
 # Local search.
 
 
-def _local_search(
+def exchange_search(
     bins: list[list[int]],
     c: list[float],
     *,

@@ -13,6 +13,11 @@ These are *approximations* of the shapes reported for real post-training data, n
     RL rollouts: prompt (lognormal, median 300, clamped to [32, 2,048]) + response that either hits the
     generation limit 16,384 (30%) or stops early (lognormal, median 2,500, sigma 0.8, clamped to [16, 16,384]):
     bimodal.
+``heavy-tail``
+    Post-training mixes as they come: mostly short samples (99%: lognormal, median 1,000, sigma 1.0) and a few long
+    documents or trajectories (1%: lognormal, median 40,000, sigma 0.6), clamped to [16, 131,072]. Median ~1k
+    tokens; the longest of 512 samples is ~80k, and at 64 ranks it usually costs more than 8 ranks' fair share of
+    the minibatch under a quadratic cost (Qwen2.5-1.5B), which is what a single rank cannot hide.
 ``baselines-longtail``
     Exactly the "long-tail SFT" workload of the project's baselines: ``floor(clamp(exp(ln 8000 + 0.8 z), 1024,
     32768))`` with z ~ N(0, 1).  Drawn with numpy here; feeding the normals of
@@ -68,6 +73,12 @@ def _rl(n: int, rng: np.random.Generator) -> np.ndarray:
     return (prompt + np.where(hit_limit, 16384, early)).astype(np.int64)
 
 
+def _heavy_tail(n: int, rng: np.random.Generator) -> np.ndarray:
+    short = _lognormal(rng, n, 1000, 1.0)
+    long = _lognormal(rng, n, 40000, 0.6)
+    return np.clip(np.where(rng.random(n) < 0.01, long, short), 16, 131072).astype(np.int64)
+
+
 def _baselines_longtail(n: int, rng: np.random.Generator) -> np.ndarray:
     return longtail_from_normals(rng.standard_normal(n))
 
@@ -78,6 +89,7 @@ PRESETS: dict[str, Preset] = {
         Preset("long-sft", "long-context SFT, 8k floor, median ~16k, capped at 64k", _long_sft),
         Preset("agent", "agent trajectories, lognormal median 10k, heavy tail to 128k", _agent),
         Preset("rl", "RL rollouts, prompt + bimodal response (30% hit the 16k limit)", _rl),
+        Preset("heavy-tail", "mostly short (median ~1k) with 1% long documents (median 40k), to 128k", _heavy_tail),
         Preset("baselines-longtail", "baselines.md long-tail SFT: clamp(exp(ln 8000 + 0.8 N), 1024, 32768)",
                _baselines_longtail),
     )

@@ -39,10 +39,11 @@ import numpy as np
 from .autocost import AutoCost, CostUpdate, rank_rows
 from .checks import DataError, DataReport, check_lengths
 from .cost import MICROBATCH_PRIOR_TOKENS, CostModel, QuadraticCost, get_cost_model
-from .planners import OVERSIZE_POLICIES, PLANNERS, effective_lengths, plan_minibatch
+from .plan import OVERSIZE_POLICIES, effective_lengths
+from .planners import DEFAULT_PLANNER, get_planner, plan_minibatch
+from .sp import SplitPolicy
 
-__all__ = ["RankBatch", "BalancedBatchSampler", "auto_cost_prior", "lengths_from_dataset", "sq_lengths_from_dataset",
-           "lengths_from_file"]
+__all__ = ["RankBatch", "BalancedBatchSampler", "auto_cost_prior"]
 
 logger = logging.getLogger("ds_odc.balancer")
 
@@ -130,7 +131,7 @@ class BalancedBatchSampler:
         rank: int,
         minibatch_size: int,
         max_tokens: int | None,
-        planner: str = "lb-mini",
+        planner: str = DEFAULT_PLANNER,
         cost: "str | CostModel" = "auto",
         model_config: Any = None,
         sq_lengths: Sequence[float] | None = None,
@@ -147,19 +148,13 @@ class BalancedBatchSampler:
             raise ValueError(f"need 0 <= rank < world_size, got rank={rank}, world_size={world_size}")
         if minibatch_size < 1:
             raise ValueError(f"minibatch_size must be >= 1, got {minibatch_size}")
-        if planner not in PLANNERS + ("lb-mini-sp",):
-            raise ValueError(f"unknown planner {planner!r}; choose one of {PLANNERS + ('lb-mini-sp',)}")
+        spec = get_planner(planner)
         if oversize not in OVERSIZE_POLICIES:
             raise ValueError(f"unknown oversize policy {oversize!r}; choose one of {OVERSIZE_POLICIES}")
         if max_tokens is not None and max_tokens < 1:
             raise ValueError(f"max_tokens must be a positive int or None, got {max_tokens}")
-        self.split = None
-        self.token_limit = max_tokens  # the longest sample trained whole
-        if planner == "lb-mini-sp":
-            from .sp import SplitPolicy
-            self.split = split or SplitPolicy()
-            if max_tokens is not None:
-                self.token_limit = max_tokens * max(self.split.group_sizes(world_size), default=1)
+        self.split = (split or SplitPolicy()) if spec.splits else None
+        self.token_limit = spec.longest_sample(max_tokens, world_size, self.split)  # the longest sample trained whole
         self.lengths = np.asarray(lengths).reshape(-1)
         self.data_report: DataReport = check_lengths(self.lengths, self.token_limit, oversize, describe_sample)
         self.lengths = self.lengths.astype(np.int64, copy=False)
@@ -242,10 +237,10 @@ class BalancedBatchSampler:
             cost=self.cost_for(step, e),
             oversize=self.oversize,
             sq_lengths=None if self.sq_lengths is None else self.sq_lengths[ids],
-            **({"split": self.split} if self.split is not None else {}),
+            split=self.split,
         )
         ids_l = ids.tolist()
-        groups = getattr(plan, "groups", {})
+        groups = plan.groups
         return RankBatch(
             microbatches=[[ids_l[j] for j in mb] for mb in plan.microbatches[self.rank]],
             num_samples=plan.num_samples,
@@ -283,7 +278,7 @@ class BalancedBatchSampler:
         truncated = np.flatnonzero(lens > limit) if limit is not None else ()
         eff, sq = effective_lengths(lens, None if self.sq_lengths is None else self.sq_lengths[ids], truncated, limit)
         if splits:
-            share = np.asarray([1.0 / (len(splits[i]) * self.split.efficiency) if i in splits else 1.0
+            share = np.asarray([self.split.compute_share(len(splits[i])) if i in splits else 1.0
                                 for i in ids.tolist()])
             return int(round(float((eff * share).sum()))), float((sq * share).sum())
         return int(eff.sum()), float(sq.sum())
@@ -335,74 +330,3 @@ class BalancedBatchSampler:
                                "cost); the cost is learned again from the prior")
         self._epoch = int(state["epoch"])
         self._step = int(state["step"])
-
-
-def lengths_from_dataset(ds: Any, column: str = "input_ids") -> np.ndarray:
-    """Per-sample lengths (int64 array) from an HF ``datasets.Dataset`` (or any mapping of columns).
-
-    ``column`` may hold token lists (their lengths are taken) or integers (taken as lengths, e.g. a precomputed
-    ``"length"`` column). An HF dataset is read as Arrow in batches, without converting rows to Python: seconds
-    for ten million rows.
-    """
-    if hasattr(ds, "with_format") and hasattr(ds, "column_names"):
-        return _arrow_column(ds, column, lambda col, pc: pc.list_value_length(col))
-    values = ds[column]
-    return np.asarray([int(v) if isinstance(v, (int, np.integer)) else len(v) for v in values], dtype=np.int64)
-
-
-def sq_lengths_from_dataset(ds: Any, column: str = "seq_lengths") -> np.ndarray:
-    """Per row, the sum of its documents' squared lengths, from a column of document lengths (TRL's packed datasets
-    carry one, ``seq_lengths``): what attention costs in a row that packs several documents."""
-    if hasattr(ds, "with_format") and hasattr(ds, "column_names"):
-        def sums_of_squares(col, pc):
-            import pyarrow as pa
-            col = col.combine_chunks() if isinstance(col, pa.ChunkedArray) else col
-            flat = np.asarray(pc.list_flatten(col), dtype=np.float64)
-            offsets = np.asarray(col.offsets, dtype=np.int64)
-            offsets = offsets - offsets[0]  # a sliced array's offsets start where its first list does
-            csum = np.concatenate([[0.0], np.cumsum(flat * flat)])
-            return csum[offsets[1:]] - csum[offsets[:-1]]
-        return _arrow_column(ds, column, sums_of_squares, dtype=np.float64)
-    return np.asarray([float(sum(int(x) ** 2 for x in v)) for v in ds[column]], dtype=np.float64)
-
-
-def _arrow_column(ds: Any, column: str, of_lists, dtype=np.int64) -> np.ndarray:
-    if column not in ds.column_names:
-        raise ValueError(f"the dataset has no column {column!r} (columns: {ds.column_names})")
-    import pyarrow as pa
-    import pyarrow.compute as pc
-    parts = []
-    for table in ds.select_columns([column]).with_format("arrow").iter(batch_size=1_000_000):
-        col = table.column(column)
-        if pa.types.is_integer(col.type):
-            parts.append(np.asarray(col, dtype=dtype))
-        elif pa.types.is_list(col.type) or pa.types.is_large_list(col.type):
-            parts.append(np.asarray(of_lists(col, pc), dtype=dtype))
-        else:
-            raise ValueError(f"column {column!r} holds {col.type}: expected token lists or integer lengths")
-    return np.concatenate(parts) if parts else np.zeros(0, dtype=dtype)
-
-
-def lengths_from_file(
-    path: str,
-    tokenizer: Any,
-    text_field: str = "text",
-    *,
-    batch_size: int = 1000,
-    add_special_tokens: bool = True,
-) -> list[int]:
-    """Tokenize a local JSONL (``.json``/``.jsonl``) or parquet file with ``tokenizer`` and return the lengths.
-
-    Reads with HF ``datasets`` (no network).  ``tokenizer`` is any callable returning ``{"input_ids": [...]}``
-    for a list of strings, e.g. a ``transformers`` tokenizer.
-    """
-    from datasets import load_dataset  # optional dependency, imported lazily
-
-    fmt = "parquet" if str(path).endswith(".parquet") else "json"
-    ds = load_dataset(fmt, data_files=str(path), split="train")
-    lengths: list[int] = []
-    for start in range(0, len(ds), batch_size):
-        texts = ds[start : start + batch_size][text_field]
-        enc = tokenizer(texts, add_special_tokens=add_special_tokens)
-        lengths.extend(len(ids) for ids in enc["input_ids"])
-    return lengths

@@ -2,7 +2,9 @@
 
     python -m ds_odc.balancer.simulate (--lengths FILE | --preset NAME) --ranks R --minibatch-size M \\
         --max-tokens T [--cost tokens|quadratic|fitted] [--microbatch-overhead X] [--plan-cost auto|given|oracle] \\
-        [--inter-node-gbs B --sharding flat|node [--tflops F]] [--steps N] [--seed S] [--json] [--plot out.png]
+        [--inter-node-gbs B --sharding flat|node [--tflops F]] [--steps N] [--seed S]
+        [--planners A,B | --split [--model-config SHAPE] [--sp-efficiency E] [--ranks-per-node N]
+        [--max-group-size G]] [--json] [--plot out.png]
 
 For each of ``--steps`` minibatches, ``M * R`` lengths are drawn (``--seed``): from FILE (one length per line;
 without replacement when the file is large enough) or from a preset (see :mod:`ds_odc.balancer.presets`).
@@ -12,7 +14,8 @@ model's ``c``) plus ``--microbatch-overhead``. Step time depends on how the plan
 
 * collective (``local-sort``, ``lb-micro``): every microbatch ends in collectives, so microbatch slot ``j`` ends
   when the slowest rank finishes its ``j``-th microbatch: step = sum over slots j of max over ranks of cost(r, j);
-* ODC (``lb-mini``): ranks only meet at the end of the minibatch: step = max over ranks of the rank's total.
+* ODC (``lb-mini``, ``lb-mini-sp``): ranks only meet at the end of the minibatch (and a split sample's group
+  for that sample): step = max over ranks of the rank's total, its waits for a group included.
 
 **What the planners know** (``--plan-cost``): ``given``, the ``--cost`` model without the overhead; ``oracle``,
 the machine's true cost, overhead included; ``auto`` (the default, as in training), the
@@ -21,7 +24,12 @@ refitted after every simulated step from the simulated busy times (``--noise`` p
 so the output shows how many steps the fit takes to plan as well as the truth would.
 
 Bubble rate = 1 - sum(busy) / (R * makespan), aggregated over steps as
-1 - sum_steps sum_ranks busy / (R * sum_steps step_time): the fraction of device time spent waiting.
+1 - sum_steps sum_ranks busy / (R * sum_steps step_time): the fraction of device time spent waiting. A planner that
+splits samples over groups of ranks (``lb-mini-sp``) makes them cost more in all than trained whole (the split's
+efficiency, the exchange, a fixed cost per member); that *split overhead* counts as busy in the bubble rate, and as
+idle in the *work bubble rate*, 1 - (busy - split overhead) / (R * makespan) (the same as the bubble rate for the
+planners that do not split). Each plan's step time follows its runtime: under ODC, split samples start when their
+whole group is free, in the plan's order.
 
 **Between nodes** (``--inter-node-gbs B``, GB/s leaving each node; needs ``--model-config`` for the parameter
 count and a cost in seconds: ``--cost fitted``, or ``--cost quadratic --tflops F`` for a GPU sustaining F TFLOP/s):
@@ -52,13 +60,17 @@ import numpy as np
 
 from .autocost import AutoCost
 from .cost import MICROBATCH_PRIOR_TOKENS, CostModel, FittedCost, QuadraticCost, TokenCost, get_cost_model
-from .planners import PLANNERS, Plan, effective_lengths, plan_minibatch
+from .lengths import read_lengths
+from .plan import Plan, effective_lengths, odc_schedule, step_time
+from .planners import BASELINE_PLANNER, PLANNERS, get_planner, plan_minibatch
 from .presets import MODEL_SHAPES, PRESETS, get_preset
+from .sp import DEFAULT_INTER_NODE_SLOWDOWN, SplitPolicy
 from .traffic import InterNode, parameter_count
 
-__all__ = ["SYNC_MODE", "PLAN_COSTS", "StepResult", "Machine", "simulate_step", "simulate", "main"]
+__all__ = ["PLAN_COSTS", "WHOLE_SAMPLE_PLANNERS", "StepResult", "Machine", "run_plan", "simulate_step", "simulate",
+           "balance_bound", "main"]
 
-SYNC_MODE = {"local-sort": "collective", "lb-micro": "collective", "lb-mini": "odc", "lb-mini-sp": "odc-sp"}
+WHOLE_SAMPLE_PLANNERS = tuple(name for name, p in PLANNERS.items() if not p.splits)  # the default comparison
 PLAN_COSTS = ("auto", "given", "oracle")
 CONVERGED = 0.02  # auto plans count as converged once their step times stay within 2% of the oracle's (or below)
 CONVERGED_WINDOW = 5
@@ -97,43 +109,39 @@ class StepResult:
     microbatch_times: tuple[tuple[float, ...], ...] = ()  # per rank, per microbatch (for plots)
     tokens: np.ndarray | None = None  # per rank (what a run measures, for the automatic cost)
     sq_tokens: np.ndarray | None = None
-    splits: tuple = ()  # lb-mini-sp: the split samples (ds_odc.balancer.sp.SplitSample), in execution order
+    splits: tuple = ()  # the split samples (ds_odc.balancer.plan.SplitSample), in execution order
+    split_overhead: float = 0.0  # busy time the groups spent beyond the split samples' cost trained whole
     internode: np.ndarray | None = None  # per rank, time spent moving data between nodes (in busy)
-
-
-def step_time_of(plan: Plan | None, mb_costs: Sequence[Sequence[float]], sync: str) -> float:
-    """Step time of one plan under ``sync`` ("collective", "odc", or "odc-sp": ODC whose split samples make their
-    groups meet) given per-microbatch costs."""
-    if sync == "odc-sp":
-        from .sp import split_step_time
-        return split_step_time(plan, mb_costs)
-    if sync == "odc":
-        return max((math.fsum(r) for r in mb_costs), default=0.0)
-    slots = max((len(r) for r in mb_costs), default=0)
-    return math.fsum(max((r[j] for r in mb_costs if j < len(r)), default=0.0) for j in range(slots))
 
 
 def run_plan(name: str, plan: Plan, lengths: Sequence[int], machine: Machine) -> StepResult:
     """Time ``plan`` on ``machine``."""
-    per_mb, per_step = machine.communication(SYNC_MODE[name])
+    runtime = get_planner(name).runtime
+    per_mb, per_step = machine.communication(runtime)
     mbc = [[t + machine.overhead + per_mb for t in r] for r in plan.microbatch_costs(machine.cost, lengths)]
-    eff, sq = effective_lengths(lengths, None, plan.truncated, plan.max_tokens)
-    if hasattr(plan, "rank_loads"):  # lb-mini-sp: a group member's share of a split sample
-        tokens, sq_tokens = plan.rank_loads(lengths)
-    else:
-        tokens = np.array([int(eff[plan.rank_samples(r)].sum()) for r in range(plan.world_size)])
-        sq_tokens = np.array([float(sq[plan.rank_samples(r)].sum()) for r in range(plan.world_size)])
+    tokens, sq_tokens = plan.rank_loads(lengths)  # a group member counts its share of a split sample
+    split_overhead = 0.0  # what the groups spent beyond the split samples' cost trained whole on one rank
+    if plan.splits:
+        eff, sq = plan.trained_lengths(lengths)
+        alone = machine.cost.sample_costs(eff, sq) + machine.truth.per_microbatch + per_mb
+        seen = [0] * plan.world_size  # a member's split samples are its first microbatches, in plan order
+        for s in plan.splits:
+            spent = math.fsum(mbc[r][seen[r]] for r in s.ranks)
+            for r in s.ranks:
+                seen[r] += 1
+            split_overhead += spent - float(alone[s.index])
     return StepResult(
         planner=name,
         busy=np.array([math.fsum(r) + per_step for r in mbc]),
-        step_time=step_time_of(plan, mbc, SYNC_MODE[name]) + per_step,
+        step_time=step_time(mbc, runtime, plan.splits) + per_step,
         num_microbatches=np.array([len(r) for r in plan.microbatches]),
         truncated=len(plan.truncated),
         skipped=len(plan.skipped),
         microbatch_times=tuple(tuple(r) for r in mbc),
         tokens=tokens,
         sq_tokens=sq_tokens,
-        splits=tuple(getattr(plan, "splits", ())),
+        splits=plan.splits,
+        split_overhead=split_overhead,
         internode=np.array([per_mb * len(r) + per_step for r in mbc]),
     )
 
@@ -143,11 +151,11 @@ def simulate_step(
     ranks: int,
     max_tokens: int | None,
     cost: "str | CostModel" = "tokens",
-    planners: Iterable[str] = PLANNERS,
+    planners: Iterable[str] = WHOLE_SAMPLE_PLANNERS,
     oversize: str = "truncate",
     microbatch_overhead: float = 0.0,
     plan_cost: "CostModel | dict[str, CostModel] | None" = None,
-    split: "SplitPolicy | None" = None,
+    split: SplitPolicy | None = None,
     internode: InterNode | None = None,
 ) -> dict[str, StepResult]:
     """Plan one minibatch with each planner and time it under the planner's sync mode.
@@ -209,13 +217,13 @@ def simulate(
     steps: int = 20,
     seed: int = 0,
     oversize: str = "truncate",
-    planners: Iterable[str] = PLANNERS,
+    planners: Iterable[str] = WHOLE_SAMPLE_PLANNERS,
     keep_steps: bool = False,
     microbatch_overhead: float = 0.0,
     in_order: bool = False,
     plan_cost: str = "given",
     noise: float = 0.0,
-    split: "SplitPolicy | None" = None,
+    split: SplitPolicy | None = None,
     internode: InterNode | None = None,
 ) -> dict:
     """Run ``steps`` minibatches; ``source`` is a preset name or a pool of lengths.  Returns the JSON summary.
@@ -266,16 +274,21 @@ def simulate(
             runs[p].append(r)
         if keep_steps:
             history.append(res)
-    base = sum(r.step_time for r in runs["local-sort"]) if "local-sort" in runs else None
+    base = sum(r.step_time for r in runs[BASELINE_PLANNER]) if BASELINE_PLANNER in runs else None
     summary = {}
     for p in planners:
         wall = sum(r.step_time for r in runs[p])
         busy = sum(float(r.busy.sum()) for r in runs[p])
+        overhead = sum(r.split_overhead for r in runs[p])
         all_mbs = np.concatenate([r.num_microbatches for r in runs[p]])
         summary[p] = {
-            "sync": SYNC_MODE[p],
+            "sync": get_planner(p).runtime,
             "plan_cost": plan_cost,
             "bubble_rate": max(0.0, 1.0 - busy / (ranks * wall)) if wall > 0 else 0.0,  # >= 0 but for rounding
+            "work_bubble_rate": max(0.0, 1.0 - (busy - overhead) / (ranks * wall)) if wall > 0 else 0.0,
+            "split_overhead_per_rank": overhead / (ranks * steps),
+            "split_samples_per_step": sum(len(r.splits) for r in runs[p]) / steps,
+            "split_shapes": _shape_counts(runs[p]),
             "step_time": wall / steps,
             "busy_time_per_rank": busy / (ranks * steps),
             "speedup_vs_local_sort": base / wall if base and wall > 0 else None,
@@ -293,6 +306,15 @@ def simulate(
     if keep_steps:
         summary["_steps"] = history  # not JSON: for plotting
     return summary
+
+
+def _shape_counts(results: list[StepResult]) -> dict[str, int]:
+    """How often each group shape was used, ``{"UxR": count}``, ordered by group size then Ulysses size."""
+    counts: dict[tuple[int, int], int] = {}
+    for r in results:
+        for s in r.splits:
+            counts[(s.size, s.ulysses)] = counts.get((s.size, s.ulysses), 0) + 1
+    return {f"{u}x{g // u}": n for (g, u), n in sorted(counts.items())}
 
 
 def _convergence(auto: list[StepResult], oracle: list[StepResult], fit: AutoCost, machine: Machine) -> dict:
@@ -336,15 +358,15 @@ def plot_steps(history: list[dict[str, StepResult]], path: str, title: str = "",
         start = 0.0
         for res in (h[name] for h in history):
             slot_starts = None
-            if SYNC_MODE[name] == "collective":  # slot j starts when every rank finished slot j - 1
+            runtime = get_planner(name).runtime
+            if runtime == "collective":  # slot j starts when every rank finished slot j - 1
                 slots = max((len(r) for r in res.microbatch_times), default=0)
                 ends = np.cumsum([max((r[j] for r in res.microbatch_times if j < len(r)), default=0.0)
                                   for j in range(slots)])
                 slot_starts = np.concatenate([[0.0], ends[:-1]]) if slots else np.zeros(0)
             split_starts, shared = None, [0] * ranks
-            if SYNC_MODE[name] == "odc-sp":  # split samples first, when their whole group is free
-                from .sp import split_schedule
-                split_starts = split_schedule(res.splits, res.microbatch_times)
+            if res.splits:  # split samples first, when their whole group is free
+                split_starts = odc_schedule(res.splits, res.microbatch_times)
                 for split in res.splits:
                     for r in split.ranks:
                         if r < ranks:
@@ -365,7 +387,7 @@ def plot_steps(history: list[dict[str, StepResult]], path: str, title: str = "",
             ax.plot([start, start], [y - 0.5, y + ranks - 0.5], color="black", lw=1.0)
         bubble = 1.0 - sum(float(h[name].busy.sum()) for h in history) / (len(history[0][name].busy) * start)
         yticks.append(y + (ranks - 1) / 2)
-        ylabels.append(f"{name}\n({SYNC_MODE[name]})\nbubble {bubble:.1%}")
+        ylabels.append(f"{name}\n({get_planner(name).runtime})\nbubble {bubble:.1%}")
         y += ranks + 1
     ax.set_yticks(yticks, ylabels, fontsize=8)
     ax.invert_yaxis()
@@ -379,22 +401,6 @@ def plot_steps(history: list[dict[str, StepResult]], path: str, title: str = "",
 
 
 # -- the command line -----------------------------------------------------------------------------------------------
-def _read_lengths(path: str) -> np.ndarray:
-    vals = []
-    with open(path) as f:
-        for lineno, line in enumerate(f, 1):
-            line = line.strip()
-            if not line or line.startswith("#"):
-                continue
-            try:
-                vals.append(int(float(line)))
-            except ValueError:
-                raise SystemExit(f"{path}:{lineno}: expected one integer length per line, got {line!r}") from None
-    if not vals:
-        raise SystemExit(f"{path}: no lengths found")
-    return np.asarray(vals, dtype=np.int64)
-
-
 def _model_config(spec: str) -> dict:
     """A model config from a JSON file (e.g. a checkpoint's config.json) or the name of an example model shape."""
     try:
@@ -410,7 +416,8 @@ def _model_config(spec: str) -> dict:
 def main(argv: Sequence[str] | None = None) -> int:
     ap = argparse.ArgumentParser(
         prog="python -m ds_odc.balancer.simulate",
-        description="Predict the bubble rate of local-sort, lb-micro (collective) and lb-mini (ODC).",
+        description="Predict the bubble rate of the balancer's planners: "
+                    + "; ".join(f"{p.name} ({p.runtime}): {p.description}" for p in PLANNERS.values()) + ".",
     )
     src = ap.add_mutually_exclusive_group(required=True)
     src.add_argument("--lengths", help="file with one sample length (tokens) per line")
@@ -443,13 +450,23 @@ def main(argv: Sequence[str] | None = None) -> int:
     ap.add_argument("--json", action="store_true", help="print one JSON object and nothing else")
     ap.add_argument("--plot", help="PNG: every planner's ranks on one time axis, microbatch by microbatch")
     ap.add_argument("--plot-steps", type=int, default=3, help="steps drawn by --plot (default 3)")
+    splitting = [p.name for p in PLANNERS.values() if p.splits]
+    ap.add_argument("--planners", default=None, metavar="A,B,...",
+                    help=f"the planners to compare (default: {','.join(WHOLE_SAMPLE_PLANNERS)}; all: "
+                         f"{','.join(PLANNERS)})")
     ap.add_argument("--split", action="store_true",
-                    help="also plan lb-mini-sp (ODC; samples no rank can take alone are split over groups of ranks "
-                         "with sequence parallelism; the groups follow --model-config's attention heads)")
+                    help=f"also plan {', '.join(splitting)} (samples no rank can take alone are split over groups of "
+                         "ranks with sequence parallelism; the groups follow --model-config's attention heads)")
     ap.add_argument("--sp-efficiency", type=float, default=0.8,
                     help="with --split: a sample split g ways takes 1/(g*E) of its time per member (default 0.8)")
     ap.add_argument("--ranks-per-node", type=int, default=8,
-                    help="GPUs per node (default 8): the largest group with --split, the node of --inter-node-gbs")
+                    help="GPUs per node (default 8): with --split, a group's exchange across nodes costs "
+                         "--inter-node-slowdown times more; the node of --inter-node-gbs")
+    ap.add_argument("--max-group-size", type=int, default=None,
+                    help="with --split: the most ranks one sample is split over (default: --ranks)")
+    ap.add_argument("--inter-node-slowdown", type=float, default=DEFAULT_INTER_NODE_SLOWDOWN,
+                    help=f"with --split: how much longer a byte takes between nodes than inside one (default "
+                         f"{DEFAULT_INTER_NODE_SLOWDOWN:g})")
     ap.add_argument("--inter-node-gbs", type=float, metavar="B",
                     help="charge the traffic between nodes at B GB/s per node (each way); needs --model-config and a "
                          "cost in seconds (--cost fitted, or --cost quadratic with --tflops)")
@@ -461,7 +478,10 @@ def main(argv: Sequence[str] | None = None) -> int:
                          "are in seconds")
     args = ap.parse_args(argv)
 
-    source = args.preset if args.preset else _read_lengths(args.lengths)
+    try:
+        source = args.preset if args.preset else read_lengths(args.lengths)
+    except (OSError, ValueError) as err:
+        ap.error(f"--lengths: {err}")
     cost: CostModel = TokenCost()
     if args.cost == "fitted":
         if not args.cost_coeffs:
@@ -489,13 +509,19 @@ def main(argv: Sequence[str] | None = None) -> int:
                                   sharding=args.sharding)
         except ValueError as e:
             ap.error(str(e))
-    split, planners = None, PLANNERS
+    planners = tuple(args.planners.split(",")) if args.planners else WHOLE_SAMPLE_PLANNERS
     if args.split:
-        from .sp import SPLIT_PLANNER, SplitPolicy
-        options = dict(efficiency=args.sp_efficiency, ranks_per_node=args.ranks_per_node)
+        planners += tuple(p for p in splitting if p not in planners)
+    try:
+        specs = [get_planner(p) for p in planners]
+    except ValueError as err:
+        ap.error(f"--planners: {err}")
+    split = None
+    if any(p.splits for p in specs):
+        options = dict(efficiency=args.sp_efficiency, ranks_per_node=args.ranks_per_node,
+                       max_group_size=args.max_group_size, inter_node_slowdown=args.inter_node_slowdown)
         split = (SplitPolicy.from_hf_config(_model_config(args.model_config), **options) if args.model_config
                  else SplitPolicy(**options))
-        planners = PLANNERS + (SPLIT_PLANNER,)
     t0 = time.perf_counter()
     try:
         summary = simulate(source, ranks=args.ranks, minibatch_size=args.minibatch_size,
@@ -527,11 +553,12 @@ def _print_table(summary: dict, args: argparse.Namespace, seconds: float) -> Non
           f"overhead={args.microbatch_overhead:g} plans={args.plan_cost} steps={args.steps} seed={args.seed}"
           f"{network} ({seconds:.1f} s)")
     auto = args.plan_cost == "auto"
-    print(f"{'planner':<11} {'sync':<10} {'bubble':>7} {'step time':>12} {'speedup':>8} {'mb/rank':>12}"
-          + (f" {'inter-node':>11}" if args.inter_node_gbs else "")
+    print(f"{'planner':<11} {'sync':<10} {'bubble':>7} {'work bubble':>11} {'step time':>12} {'speedup':>8} "
+          f"{'mb/rank':>12}" + (f" {'inter-node':>11}" if args.inter_node_gbs else "")
           + (f" {'oracle step':>12} {'within 2% from step':>20}" if auto else ""))
     for p, s in summary.items():
-        line = (f"{p:<11} {s['sync']:<10} {s['bubble_rate']:>7.2%} {s['step_time']:>12.4g} "
+        line = (f"{p:<11} {s['sync']:<10} {s['bubble_rate']:>7.2%} {s['work_bubble_rate']:>11.2%} "
+                f"{s['step_time']:>12.4g} "
                 f"{s['speedup_vs_local_sort'] or 0:>7.3f}x {s['microbatches_per_rank_mean']:>5.2f} "
                 f"[{s['microbatches_per_rank_min']}-{s['microbatches_per_rank_max']}]")
         if args.inter_node_gbs:
@@ -547,10 +574,17 @@ def _print_table(summary: dict, args: argparse.Namespace, seconds: float) -> Non
               f"(truth a={t['a']:.4g} b={t['b']:.4g} c={t['c']:.4g}; fit of the {next(iter(summary))} run)")
     print(f"balance bound: step time {any_s['balance_bound_step_time']:.4g} "
           f"(bubble {any_s['balance_bound_bubble_rate']:.2%}); in {any_s['steps_with_dominant_sample']} of "
-          f"{args.steps} steps one sample costs more than the fair share total/R, so no minibatch planner can "
-          "balance those steps fully")
-    if any_s["truncated_samples"]:
-        print(f"{any_s['truncated_samples']} samples longer than --max-tokens were truncated ({args.oversize})")
+          f"{args.steps} steps one sample costs more than the fair share total/R, so no planner that trains every "
+          "sample whole can balance those steps fully")
+    for p, s in summary.items():
+        if s["split_shapes"]:
+            shapes = ", ".join(f"{k}: {n}" for k, n in s["split_shapes"].items())
+            print(f"{p}: {s['split_samples_per_step']:.1f} split samples per step; groups (Ulysses x ring: count) "
+                  f"{shapes}; split overhead {s['split_overhead_per_rank']:.4g} per rank and step (busy in the "
+                  "bubble, idle in the work bubble)")
+    for p, s in summary.items():
+        if s["truncated_samples"]:
+            print(f"{p}: {s['truncated_samples']} samples longer than it can train were truncated ({args.oversize})")
 
 
 if __name__ == "__main__":

@@ -46,6 +46,7 @@ class Pack:
     num_samples: int
     num_tokens: int
     sample_ids: list[list[int]] = field(default_factory=list)
+    splits: dict[int, tuple[int, ...]] = field(default_factory=dict)  # split samples: {dataset index: ranks}
 
     def __len__(self) -> int:
         return len(self.microbatches)
@@ -127,14 +128,23 @@ class PackDataset(torch.utils.data.Dataset):
 
 
 class PackCollator:
-    """Collates each microbatch of a pack with ``collate`` (a list of samples -> dict of tensors)."""
+    """Collates each microbatch of a pack with ``collate`` (a list of samples -> dict of tensors); a split sample's
+    microbatch with ``split(sample, ranks)`` instead (this rank's slice of it, as model inputs)."""
 
-    def __init__(self, collate: Callable[[Sequence[Any]], dict[str, Any]]) -> None:
+    def __init__(self, collate: Callable[[Sequence[Any]], dict[str, Any]],
+                 split: Callable[[Any, tuple[int, ...]], dict[str, Any]] | None = None) -> None:
         self.collate = collate
+        self.split = split
 
     def __call__(self, items: Sequence[tuple[RankBatch, list[list[Any]]]]) -> Pack:
         if len(items) != 1:
             raise ValueError(f"ds_odc: expected one pack per loader item, got {len(items)}")
         batch, samples = items[0]
-        return Pack(microbatches=[dict(self.collate(mb)) for mb in samples], epoch=batch.epoch, step=batch.step,
-                    num_samples=batch.num_samples, num_tokens=batch.num_tokens, sample_ids=batch.microbatches)
+        microbatches = []
+        for ids, mb in zip(batch.microbatches, samples):
+            if ids[0] in batch.splits:
+                microbatches.append(dict(self.split(mb[0], batch.splits[ids[0]])))
+            else:
+                microbatches.append(dict(self.collate(mb)))
+        return Pack(microbatches=microbatches, epoch=batch.epoch, step=batch.step, num_samples=batch.num_samples,
+                    num_tokens=batch.num_tokens, sample_ids=batch.microbatches, splits=dict(batch.splits))

@@ -27,6 +27,7 @@ checked when this module is imported.
 
 from __future__ import annotations
 
+import contextlib
 import copy
 from collections.abc import Mapping
 from typing import Any
@@ -37,7 +38,10 @@ from transformers.utils import logging
 
 import ds_odc
 from ds_odc.training.collate import PackedCollator
-from ds_odc.balancer.sampler import BalancedBatchSampler, lengths_from_dataset, sq_lengths_from_dataset
+from ds_odc.balancer.lengths import lengths_from_dataset, sq_lengths_from_dataset
+from ds_odc.balancer.planners import get_planner
+from ds_odc.balancer.sampler import BalancedBatchSampler
+from ds_odc.balancer.sp import SplitPolicy
 from ds_odc.config import odc_config_from_ds_config
 from ds_odc.balancer.checks import check_label_lengths
 from ds_odc.integrations._hf_privates import check_transformers, loss_shifts_labels, remove_unused_columns
@@ -47,6 +51,8 @@ from ds_odc.integrations._step import (BALANCER_STATE_NAME, OdcStep, load_balanc
                                        save_balancer_state)
 from ds_odc.training.attention import ATTENTION_NAME, remember_host_boundaries
 from ds_odc.training.loss import DEFAULT_CHUNK_TOKENS, count_loss_tokens, use_chunked_loss
+from ds_odc.training.sequence_parallel import ATTENTION_NAME as SP_ATTENTION_NAME
+from ds_odc.training.sequence_parallel import SequenceParallel, slice_sample
 
 ds_odc.patch()  # the `odc` key must parse before TrainingArguments / zero.Init read the ds_config
 check_transformers()
@@ -89,6 +95,9 @@ class OdcTrainer(OdcStep, Trainer):
         packed_attention: run attention as ``ds_odc_varlen`` (:mod:`ds_odc.training.attention`: each document of a packed
             row attends to itself only, no dense mask, no per-length planning). ``None`` (default): when the rows
             are packed (``"packed"`` collator) and the model uses ``sdpa`` or ``eager``.
+        split_policy: with ``balancer_planner="lb-mini-sp"`` (samples no rank can take alone split over groups of
+            ranks), the :class:`~ds_odc.balancer.sp.SplitPolicy`; default: from the model config's heads, with the
+            launcher's ``LOCAL_WORLD_SIZE`` ranks per node. The model then attends with ``ds_odc_sp``.
         loss_chunk_tokens: with ODC, compute the training loss this many positions at a time without the full
             logits (:func:`ds_odc.training.loss.use_chunked_loss`; not when a label smoother, ``compute_loss_func`` or
             another library's patched forward needs the logits). ``None`` or 0: the model's own loss.
@@ -98,7 +107,7 @@ class OdcTrainer(OdcStep, Trainer):
                  max_tokens_per_microbatch: int | None = None, length_column: str = "input_ids",
                  balancer_cost: Any = "auto", oversize: str = "error", microbatch_collator: Any = None,
                  packed_attention: bool | None = None, loss_chunk_tokens: int | None = DEFAULT_CHUNK_TOKENS,
-                 **trainer_kwargs):
+                 split_policy: SplitPolicy | None = None, **trainer_kwargs):
         ds_odc.patch()
         self.odc = args is not None and odc_enabled(args)
         if self.odc:
@@ -118,6 +127,12 @@ class OdcTrainer(OdcStep, Trainer):
                 self.accelerator.gradient_accumulation_steps = ds_steps
         self.odc_balancer = dict(planner=balancer_planner, max_tokens=max_tokens_per_microbatch, cost=balancer_cost,
                                  oversize=oversize)
+        self.odc_split: SplitPolicy | None = None  # how samples split over groups of ranks, for planners that do
+        if get_planner(balancer_planner).splits:
+            self.odc_split = split_policy or SplitPolicy.from_hf_config(
+                self.model.config, ranks_per_node=int(os.environ.get("LOCAL_WORLD_SIZE", 8)))
+            self.odc_balancer["split"] = self.odc_split
+        self.odc_sp: SequenceParallel | None = None
         self.odc_length_column = length_column
         if microbatch_collator is None:
             microbatch_collator = "trainer" if user_collator is not None else "packed"
@@ -135,11 +150,14 @@ class OdcTrainer(OdcStep, Trainer):
     def _odc_prepare_model(self, packed_attention: bool | None, loss_chunk_tokens: int | None) -> None:
         model, config = self.model, getattr(self.model, "config", None)
         current = getattr(config, "_attn_implementation", None)
+        # Split samples attend over their group (ds_odc_sp, which is ds_odc_varlen for every other microbatch).
+        target = SP_ATTENTION_NAME if self.odc_split is not None else ATTENTION_NAME
         if packed_attention is None:
-            packed_attention = self.odc_microbatch_collator == "packed" and current in ("sdpa", "eager")
-        if packed_attention and current != ATTENTION_NAME:
-            model.set_attn_implementation(ATTENTION_NAME)
-            logger.info(f"ds_odc: attention {current} -> {ATTENTION_NAME} for packed rows")
+            packed_attention = (self.odc_microbatch_collator == "packed" and current in ("sdpa", "eager")
+                                or self.odc_split is not None and current in ("sdpa", "eager", ATTENTION_NAME))
+        if packed_attention and current != target:
+            model.set_attn_implementation(target)
+            logger.info(f"ds_odc: attention {current} -> {target} for packed rows")
         wants_logits = self.label_smoother is not None or self.compute_loss_func is not None
         if loss_chunk_tokens and not wants_logits and "forward" not in vars(model):
             try:
@@ -188,6 +206,13 @@ class OdcTrainer(OdcStep, Trainer):
                     if "global minibatch" in str(err) else "")
             raise ValueError(f"ds_odc: {err}{hint}") from None
         self.odc_pack_sampler = PackBatchSampler(sampler)
+        split_inputs = None
+        if self.odc_split is not None:
+            if self.odc_sp is None:  # the groups, once: every rank creates those it belongs to
+                timeout_s = odc_config_from_ds_config(deepspeed_config_of(self.args)).timeout_s
+                self.odc_sp = SequenceParallel(self.odc_split, timeout_s=timeout_s)
+            pad = getattr(self.processing_class, "pad_token_id", None)
+            split_inputs = _SplitInputs(self.odc_split, self.args.process_index, pad if pad is not None else 0)
         self._odc_restore_balancer()
         self.odc_meter = BalanceMeter(self.args.world_size)
         report = sampler.data_report
@@ -200,7 +225,7 @@ class OdcTrainer(OdcStep, Trainer):
         return _PackLoader(
             PackDataset(dataset),
             batch_sampler=self.odc_pack_sampler,
-            collate_fn=PackCollator(self._odc_collate_fn()),
+            collate_fn=PackCollator(self._odc_collate_fn(), split_inputs),
             num_workers=self.args.dataloader_num_workers,
             pin_memory=self.args.dataloader_pin_memory and torch.cuda.is_available(),
             persistent_workers=self.args.dataloader_persistent_workers and self.args.dataloader_num_workers > 0,
@@ -248,13 +273,15 @@ class OdcTrainer(OdcStep, Trainer):
             # compute_loss reweights by the microbatch's label tokens when the model cannot (and subclasses read
             # which samples it holds)
             self._odc_pack_microbatch, self._odc_pack_ids = microbatch
-            return super(OdcTrainer, self).training_step(model, self._odc_model_inputs(microbatch[0]),
-                                                         num_items_in_batch)
+            piece = self._odc_pack_microbatch.pop(SPLIT_INPUTS_KEY, None)  # this rank's slice of a split sample
+            with self.odc_sp.run(piece) if piece is not None else contextlib.nullcontext():
+                return super(OdcTrainer, self).training_step(model, self._odc_model_inputs(self._odc_pack_microbatch),
+                                                             num_items_in_batch)
 
         payload = self._odc_begin_step(pack)
         times = self._odc_train_step(zip(pack.microbatches, pack.sample_ids), train_one)
         self._odc_pack_microbatch = self._odc_pack_ids = None
-        tokens, sq_tokens = self.odc_pack_sampler.sampler.load(pack.sample_ids)
+        tokens, sq_tokens = self.odc_pack_sampler.sampler.load(pack.sample_ids, pack.splits)
         everyone = self._odc_meet(times, tokens, sq_tokens, pack.num_samples, payload=payload)
         self._odc_end_step(pack, everyone)
         self._odc_position = (pack.epoch, pack.step + 1)
@@ -340,6 +367,24 @@ class OdcTrainer(OdcStep, Trainer):
             return
         self.odc_pack_sampler.resume(state)
         logger.info(f"ds_odc: balancer resumes at epoch {state['epoch']}, minibatch {state['step']}")
+
+
+SPLIT_INPUTS_KEY = "ds_odc_split"  # in a split sample's model inputs: the SplitSlice, taken out before the forward
+
+
+class _SplitInputs:
+    """A split sample's model inputs on this rank: its slice (``slice_sample``), labels already shifted over the whole
+    sample; ``labels`` switch the model's loss on and ``shift_labels`` replace them. Plain data, so loader workers
+    can run it."""
+
+    def __init__(self, policy: SplitPolicy, rank: int, pad_token_id: int) -> None:
+        self.policy, self.rank, self.pad_token_id = policy, rank, pad_token_id
+
+    def __call__(self, sample: Any, ranks: tuple[int, ...]) -> dict[str, Any]:
+        piece = slice_sample(sample, ranks, ranks.index(self.rank), ulysses=self.policy.ulysses_size(len(ranks)),
+                             pad_token_id=self.pad_token_id)
+        return {"input_ids": piece.input_ids, "position_ids": piece.position_ids, "labels": piece.shift_labels,
+                "shift_labels": piece.shift_labels, SPLIT_INPUTS_KEY: piece}
 
 
 class _PackLoader(torch.utils.data.DataLoader):

@@ -7,19 +7,22 @@ two things a run derives from its flags: the samples (lengths, and token ids for
 from __future__ import annotations
 
 import argparse
+import os
 from typing import Any, Mapping
 
 import numpy as np
 import torch
 
 from ds_odc.balancer import FittedCost, QuadraticCost
+from ds_odc.balancer.planners import DEFAULT_PLANNER, PLANNERS, get_planner
 from ds_odc.balancer.presets import MODEL_SHAPES, PRESETS
+from ds_odc.balancer.sp import DEFAULT_EFFICIENCY, SplitPolicy
 from ds_odc.recipes.workloads import load_lengths, tokenize_text_file
 from ds_odc.training import attention
 from ds_odc.training.loss import use_chunked_loss
 
-__all__ = ["sft_argument_parser", "samples_from_args", "cost_from_args", "prepare_model", "on_device",
-           "plan_attention"]
+__all__ = ["sft_argument_parser", "samples_from_args", "cost_from_args", "split_policy_from_args",
+           "attention_from_args", "prepare_model", "on_device", "plan_attention"]
 
 
 def sft_argument_parser(description: str | None = None, deepspeed_config: bool = True) -> argparse.ArgumentParser:
@@ -35,7 +38,8 @@ def sft_argument_parser(description: str | None = None, deepspeed_config: bool =
     p.add_argument("--num-samples", type=int, default=None, help="dataset size for --preset (default: enough)")
     p.add_argument("--length-scale", type=float, default=1.0, help="multiply preset lengths (tiny CPU runs)")
     p.add_argument("--equal-lengths", type=int, default=None, help="every sample this long (no-regression runs)")
-    p.add_argument("--balancer", default="lb-mini", choices=["local-sort", "lb-micro", "lb-mini"])
+    p.add_argument("--balancer", default=DEFAULT_PLANNER, choices=list(PLANNERS),
+                   help="; ".join(f"{spec.name}: {spec.description}" for spec in PLANNERS.values()))
     p.add_argument("--cost", default="auto", choices=["auto", "tokens", "quadratic", "fitted"],
                    help="balancer cost model; auto (default): refitted every step from the measured busy times, "
                         "starting from the model's shape; quadratic: a*L + b*L^2 from the model's shape; fitted: "
@@ -43,6 +47,14 @@ def sft_argument_parser(description: str | None = None, deepspeed_config: bool =
     p.add_argument("--cost-coeffs", default=None, metavar="A,B,C",
                    help="fitted cost a*L + b*L^2 per sample + c per microbatch (python -m ds_odc.balancer.fit RUN.json "
                         "prints them for a run)")
+    splitting = ", ".join(name for name, spec in PLANNERS.items() if spec.splits)
+    p.add_argument("--sp-efficiency", type=float, default=DEFAULT_EFFICIENCY,
+                   help=f"{splitting}: a sample split over g ranks takes 1/(g*E) of its time on each (default "
+                        f"{DEFAULT_EFFICIENCY}, assumed; benchmarks/split_efficiency.py measures it)")
+    p.add_argument("--sp-max-group-size", type=int, default=None,
+                   help=f"{splitting}: the most ranks a sample is split over (default: the world size)")
+    p.add_argument("--ranks-per-node", type=int, default=None,
+                   help=f"{splitting}: ranks that share a node's fast links (default: the launcher's LOCAL_WORLD_SIZE)")
     p.add_argument("--minibatch-size", type=int, default=4, help="samples per rank per optimizer step")
     p.add_argument("--max-tokens", type=int, default=None, help="token budget per microbatch (default: 1 sample)")
     p.add_argument("--oversize", default="error", choices=["error", "truncate", "skip"],
@@ -102,6 +114,28 @@ def cost_from_args(args: argparse.Namespace, model_config):
         a, b, c = (float(x) for x in args.cost_coeffs.split(","))
         return FittedCost(a=a, b=b, c=c)
     return args.cost  # "auto" (the sampler fits it; pass it the model config) or "tokens"
+
+
+def split_policy_from_args(args: argparse.Namespace, model_config) -> SplitPolicy | None:
+    """How ``--balancer`` may split samples over groups of ranks (``None`` for a planner that does not)."""
+    if not get_planner(args.balancer).splits:
+        return None
+    ranks_per_node = args.ranks_per_node or int(os.environ.get("LOCAL_WORLD_SIZE", 8))
+    return SplitPolicy.from_hf_config(model_config, efficiency=args.sp_efficiency, ranks_per_node=ranks_per_node,
+                                      max_group_size=args.sp_max_group_size)
+
+
+def attention_from_args(args: argparse.Namespace) -> str:
+    """The model's attention: ``--attn-implementation``, or for a planner that splits samples ``ds_odc_sp`` (which
+    is ``ds_odc_varlen`` for every other microbatch); a split sample through any other attention is refused."""
+    if not get_planner(args.balancer).splits:
+        return args.attn_implementation
+    from ds_odc.training import sequence_parallel
+    if args.attn_implementation not in (attention.ATTENTION_NAME, sequence_parallel.ATTENTION_NAME):
+        raise SystemExit(f"--balancer {args.balancer} trains split samples with attn_implementation="
+                         f"{sequence_parallel.ATTENTION_NAME!r} (each member attends over the whole sample), not "
+                         f"{args.attn_implementation!r}: drop --attn-implementation")
+    return sequence_parallel.ATTENTION_NAME
 
 
 def prepare_model(model: torch.nn.Module, args: argparse.Namespace) -> torch.nn.Module:

@@ -12,6 +12,7 @@ from pathlib import Path
 import numpy as np
 import torch
 
+from ds_odc.balancer.lengths import read_lengths
 from ds_odc.balancer.presets import MODEL_SHAPES, get_preset
 
 __all__ = ["model_config", "load_lengths", "tokenize_text_file", "sample_tokens"]
@@ -36,7 +37,7 @@ def load_lengths(*, lengths_file: str | Path | None = None, preset: str | None =
     from a preset (default ``baselines-longtail``); then multiplied by ``length_scale`` (tiny CPU runs)."""
     needed = num_samples or 10_000
     if lengths_file:
-        lengths = np.loadtxt(lengths_file, dtype=np.int64).reshape(-1)
+        lengths = read_lengths(lengths_file)
     elif equal_lengths:
         lengths = np.full(needed, equal_lengths, dtype=np.int64)
     else:

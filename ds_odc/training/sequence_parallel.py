@@ -1,9 +1,18 @@
-"""Training a split sample: the ranks of its group run it together with Ulysses sequence parallelism.
+"""Training a split sample: the ranks of its group run it together with sequence parallelism.
 
-``lb-mini-sp`` (:mod:`ds_odc.balancer.sp`) gives a sample that no single rank can take to a group of ``g`` ranks.
-Each member trains one contiguous slice of its tokens; inside every attention layer DeepSpeed's
-``UlyssesSPAttentionHF`` exchanges q, k and v over the group (all-to-all: sequence-sharded to head-sharded), attends
-over the whole sequence with ``h / g`` heads, and exchanges the output back. Under ODC nothing else is collective:
+``lb-mini-sp`` (:mod:`ds_odc.balancer.sp`) gives a sample that no single rank can take to a group of ``g = u * r``
+ranks (any power of two), and each member trains its slice of the tokens. Inside every attention layer:
+
+* the ``u`` *Ulysses* ranks (consecutive members; ``u`` as far as the model's heads allow) run DeepSpeed's
+  ``UlyssesSPAttentionHF``: an all-to-all trades their sequence slices for heads, so each attends over the tokens of
+  all ``u`` with ``h / u`` heads, and another brings the output back;
+* with ``r > 1`` *ring* ranks (members ``u`` apart), the tokens of the ``u`` are only part of the sample: ring
+  attention (:mod:`ds_odc.training.context_parallel`) gathers the keys and values of the whole sample over the
+  ring and attends each query to every earlier key of its document; the sample is laid out head-and-tail over the
+  ring so every member does the same causal work.
+
+With ``r == 1`` each member holds one contiguous slice and the inner attention is ``ds_odc_varlen``. Under ODC nothing
+else is collective:
 the members fetch parameters and push gradients one-sidedly like any other microbatch, and their partial gradients
 add up at the owners. Only the members of a group meet, for that sample only, while every other rank trains its own
 microbatches.
@@ -26,12 +35,17 @@ group of the split sample being trained, if any. Build the model with it, then::
                 ...                                        # as for any other microbatch
             engine.step()
 
-Positions and labels: each slice keeps the global position ids of its tokens (Ulysses gathers them, so attention
-sees the whole sample's documents), and the next-token labels are shifted over the *whole* sample before it is cut
-(``shift_labels``), so the label of a slice's last token, the first token of the next slice, is not lost. A sample
-is padded to a multiple of ``g`` tokens; the padding is a document of its own after the real tokens, with no labels,
-so causal attention keeps it out of every real token's context and it adds no loss and no gradient. The loss weight
-is that of any microbatch (``W / N``): the members' slice losses add up to the sample's loss sum.
+Positions and labels: each slice keeps the global position ids of its tokens (rotary embeddings see the true
+positions; the document boundaries come from them, computed once for the whole sample, :class:`SplitLayout`), and
+the next-token labels are shifted over the *whole* sample before it is cut (``shift_labels``), so the label of a
+slice's last token is not lost. A sample is padded to a multiple of ``g`` tokens (``2g`` with a ring); the padding
+is a document of its own after the real tokens, with no labels, so causal attention keeps it out of every real
+token's context and it adds no loss and no gradient. The loss weight is that of any microbatch (``W / N``): the
+members' slice losses add up to the sample's loss sum.
+
+Refused, by name: a model whose attention is not ``ds_odc_sp`` (each rank would attend within its own slice); a
+group that is not an aligned block of an allowed size, or a plan made with another policy; with a ring, attention
+dropout, sliding windows, softcapping, sink tokens and non-causal attention.
 
 A member that dies or never arrives makes the others fail within ``timeout_s`` (the groups' process-group timeout),
 with an error naming the group and the members that did not arrive or did not finish, instead of hanging.
@@ -40,6 +54,7 @@ with an error naming the group and the members that did not arrive or did not fi
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 from dataclasses import dataclass
 from datetime import timedelta
 from typing import Any, Iterator, Mapping, Sequence
@@ -50,11 +65,13 @@ import torch.nn.functional as F
 from ds_odc.training.attention import register as register_attention
 from ds_odc.training.attention import varlen_attention_forward
 from ds_odc.training.loss import IGNORE_INDEX
+from ds_odc.balancer.plan import SplitSample
 from ds_odc.balancer.sp import SplitPolicy
+from ds_odc.training.context_parallel import SplitLayout, ring_attention
 from ds_odc.ops.transport import FenceTimeout, OdcError
 
-__all__ = ["ATTENTION_NAME", "SequenceParallel", "SplitSlice", "SplitSampleError", "slice_sample", "slice_loss_sum",
-           "register"]
+__all__ = ["ATTENTION_NAME", "SequenceParallel", "SplitSlice", "SplitLayout", "SplitSampleError", "slice_sample",
+           "slice_loss_sum", "sp_attention_forward", "register"]
 
 ATTENTION_NAME = "ds_odc_sp"
 _STORE_REPLY_S = 5.0
@@ -75,8 +92,10 @@ class SplitSlice:
     Attributes:
         input_ids, position_ids: this slice's tokens and their positions in the whole sample.
         shift_labels: the label of each position (the next token of the whole sample, ``-100`` where none).
-        ranks: the group; ``member`` this rank's place in it (slice ``member`` of ``len(ranks)``).
+        ranks: the group; ``member`` this rank's place in it.
         sample_tokens: tokens of the whole sample, before padding.
+        layout: which tokens each member holds and where the sample's documents start (the group's shape,
+            Ulysses x ring, included).
     """
 
     input_ids: torch.Tensor
@@ -85,24 +104,36 @@ class SplitSlice:
     ranks: tuple[int, ...]
     member: int
     sample_tokens: int
+    layout: SplitLayout
 
     @property
     def num_label_tokens(self) -> int:
         return int((self.shift_labels != IGNORE_INDEX).sum())
 
+    def to(self, device: torch.device | str) -> "SplitSlice":
+        """The same slice with its tensors on ``device``."""
+        return dataclasses.replace(self, input_ids=self.input_ids.to(device),
+                                   position_ids=self.position_ids.to(device),
+                                   shift_labels=self.shift_labels.to(device))
+
 
 def slice_sample(sample: Mapping[str, Any] | torch.Tensor, ranks: Sequence[int], member: int, *,
-                 pad_token_id: int = 0) -> SplitSlice:
+                 ulysses: int | None = None, pad_token_id: int = 0) -> SplitSlice:
     """Slice ``member`` of a sample split over ``ranks``: a dict with ``input_ids`` and optional ``labels`` and
     ``position_ids`` (a packed row of several documents keeps its restarting positions), or a tensor of token ids.
-    Labels, like ``PackedCollator``'s, are aligned with the inputs and shifted here, over the whole sample."""
+    ``ulysses``: how many members share heads (default: all, Ulysses alone); the rest is the ring
+    (:class:`~ds_odc.training.context_parallel.SplitLayout`). Labels, like ``PackedCollator``'s, are aligned with
+    the inputs and shifted here, over the whole sample."""
     fields = {"input_ids": sample} if isinstance(sample, torch.Tensor) else sample
     ids = torch.as_tensor(fields["input_ids"], dtype=torch.long).reshape(-1)
     n, g = ids.numel(), len(ranks)
+    u = g if ulysses is None else int(ulysses)
     if n == 0:
         raise ValueError("slice_sample: the sample has no tokens")
     if not 0 <= member < g:
         raise ValueError(f"slice_sample: member {member} of a group of {g}")
+    if u < 1 or g % u:
+        raise ValueError(f"slice_sample: a group of {g} ranks cannot have Ulysses groups of {u}")
     labels = fields.get("labels")
     labels = ids if labels is None else torch.as_tensor(labels, dtype=torch.long).reshape(-1).to(ids.device)
     positions = fields.get("position_ids")
@@ -112,15 +143,20 @@ def slice_sample(sample: Mapping[str, Any] | torch.Tensor, ranks: Sequence[int],
         raise ValueError(f"slice_sample: input_ids has {n} tokens, labels {labels.numel()}, position_ids "
                          f"{positions.numel()}")
     shift = F.pad(labels[1:], (0, 1), value=IGNORE_INDEX)
-    size = -(-n // g)
-    pad = size * g - n
+    padded = SplitLayout.padded_length(n, u, g // u)
+    pad = padded - n
+    starts = torch.ones(n, dtype=torch.bool)  # a document starts wherever the position does not grow by one
+    starts[1:] = positions[1:].cpu() != positions[:-1].cpu() + 1
+    bounds = torch.nonzero(starts).reshape(-1).tolist() + [n]
+    documents = tuple(b - a for a, b in zip(bounds[:-1], bounds[1:])) + ((pad,) if pad else ())
     if pad:  # a document of its own after the real tokens: positions restart, no labels
         ids = torch.cat([ids, ids.new_full((pad,), pad_token_id)])
         positions = torch.cat([positions, torch.arange(pad, device=ids.device)])
         shift = torch.cat([shift, shift.new_full((pad,), IGNORE_INDEX)])
-    part = slice(member * size, (member + 1) * size)
-    return SplitSlice(ids[part][None], positions[part][None], shift[part][None], tuple(int(r) for r in ranks),
-                      member, n)
+    layout = SplitLayout(documents, u, g // u)
+    mine = layout.member_index(member, device=ids.device)
+    return SplitSlice(ids[mine][None], positions[mine][None], shift[mine][None], tuple(int(r) for r in ranks),
+                      member, n, layout)
 
 
 def slice_loss_sum(logits: torch.Tensor, piece: SplitSlice) -> torch.Tensor:
@@ -132,27 +168,45 @@ def slice_loss_sum(logits: torch.Tensor, piece: SplitSlice) -> torch.Tensor:
 
 
 class _Active:
-    """The split sample being trained on this rank: its group, and one Ulysses attention per head layout."""
+    """The split sample being trained on this rank: its groups (Ulysses and ring), its layout, and one Ulysses
+    attention per head layout."""
 
-    def __init__(self, group, ranks: tuple[int, ...]):
-        self.group = group
-        self.ranks = ranks
+    def __init__(self, ranks: tuple[int, ...], layout: SplitLayout, member: int, ulysses_group, ring_group):
+        self.ranks, self.layout = ranks, layout
+        self.ring_rank = member // layout.ulysses
+        self.ulysses_group, self.ring_group = ulysses_group, ring_group
         self.ulysses: dict[tuple, Any] = {}
         self.calls = 0  # attention layers run over the group: none means the model does not use ds_odc_sp
 
     def attention(self, module, query: torch.Tensor, key: torch.Tensor):
+        """The attention function for this sample: Ulysses over its Ulysses group around the inner attention
+        (``ds_odc_varlen`` over the whole sample, or with a ring, :func:`ring_attention` over it)."""
+        inner = varlen_attention_forward if self.layout.ring == 1 else self._ring
+        if self.layout.ulysses == 1:
+            return inner
         from deepspeed.runtime.sequence_parallel.ulysses_sp import UlyssesSPAttentionHF
         batch, heads, _, head_dim = query.shape
         kv_heads = key.shape[1]
-        layout = (batch, heads, kv_heads, head_dim)
-        found = self.ulysses.get(layout)
+        shape = (batch, heads, kv_heads, head_dim)
+        found = self.ulysses.get(shape)
         if found is None:
             config = getattr(module, "config", None)
-            found = self.ulysses[layout] = UlyssesSPAttentionHF(
-                attn=varlen_attention_forward, batch_size=batch, attn_head_count=heads, attn_head_size=head_dim,
+            found = self.ulysses[shape] = UlyssesSPAttentionHF(
+                attn=inner, batch_size=batch, attn_head_count=heads, attn_head_size=head_dim,
                 kv_head_count=kv_heads, num_hidden_layers=int(getattr(config, "num_hidden_layers", 1) or 1),
-                process_group=self.group, seq_length_is_variable=True)
+                process_group=self.ulysses_group, seq_length_is_variable=True)
         return found
+
+    def _ring(self, module, query, key, value, attention_mask, dropout: float = 0.0, scaling: float | None = None,
+              sliding_window: int | None = None, softcap: float | None = None, **kwargs):
+        if dropout or sliding_window is not None or softcap is not None or kwargs.get("s_aux") is not None:
+            raise ValueError(f"ds_odc_sp: ring attention supports neither attention dropout, sliding windows, "
+                             f"softcapping nor sink tokens (got dropout={dropout}, sliding_window={sliding_window}, "
+                             f"softcap={softcap}); this model cannot be split over more ranks than its heads allow")
+        if not getattr(module, "is_causal", True):
+            raise ValueError("ds_odc_sp: ring attention is causal only; this model's attention is not")
+        out = ring_attention(query, key, value, self.layout, self.ring_rank, self.ring_group, scaling)
+        return out, None
 
 
 _active: _Active | None = None
@@ -186,13 +240,31 @@ def register() -> str:
     return register_attention(ATTENTION_NAME, sp_attention_forward)
 
 
-class SequenceParallel:
-    """The process groups of every group a ``lb-mini-sp`` plan may use, and the switch that trains a split sample.
+def _subgroup_list(policy: SplitPolicy, world_size: int) -> list[tuple[int, ...]]:
+    """Every sub-group any rank may need, in one global order, each once: per allowed group size ``g`` of shape
+    ``u`` x ``r``, per aligned block, its ``r`` Ulysses groups (``u`` consecutive ranks) and its ``u`` ring groups
+    (``r`` ranks ``u`` apart); a part of one rank needs no group."""
+    seen: dict[tuple[int, ...], None] = {}
+    for g in policy.group_sizes(world_size):
+        u = policy.ulysses_size(g)
+        for first in range(0, world_size // g * g, g):
+            block = range(first, first + g)
+            if u > 1:
+                seen.update((tuple(block[j:j + u]), None) for j in range(0, g, u))
+            if g // u > 1:
+                seen.update((tuple(block[i::u]), None) for i in range(u))
+    return list(seen)
 
-    Construct it on every rank, with the same policy, after ``torch.distributed`` is initialised (e.g. by
-    ``ds_odc.training.distributed.init_distributed``). Each rank creates the groups it belongs to, one per allowed size (the
-    aligned block of ``g`` ranks around it), with ``timeout_s`` as their timeout; they are reused for every split
-    sample. ``timeout_s``: use ``zero_optimization.odc.timeout_s`` (``odc_config_from_ds_config(ds_config)``).
+
+class SequenceParallel:
+    """The process groups of every group a split plan may use, and the switch that trains a split sample.
+
+    Construct it on every rank, with the same policy the plans use, after ``torch.distributed`` is initialised
+    (e.g. by ``ds_odc.training.distributed.init_distributed``). For every allowed group size ``g`` (aligned blocks
+    of ``g`` ranks) of shape ``u`` x ``r`` (:meth:`SplitPolicy.ulysses_size`), each rank creates the sub-groups it
+    belongs to: the ``u`` consecutive ranks that share heads, and the ``r`` ranks ``u`` apart that exchange keys and
+    values; all with ``timeout_s`` as their timeout, reused for every split sample. ``timeout_s``: use
+    ``zero_optimization.odc.timeout_s`` (``odc_config_from_ds_config(ds_config)``).
     """
 
     def __init__(self, policy: SplitPolicy | None = None, *, timeout_s: float = 300.0, backend: str | None = None):
@@ -207,36 +279,56 @@ class SequenceParallel:
         self.timeout_s = float(timeout_s)
         self.sizes = self.policy.group_sizes(self.world_size)
         self._groups: dict[tuple[int, ...], Any] = {}
-        for g in self.sizes:  # nested aligned blocks: every member creates them in the same order
-            first = self.rank // g * g
-            ranks = tuple(range(first, first + g))
-            self._groups[ranks] = dist.new_group(list(ranks), timeout=timedelta(seconds=self.timeout_s),
-                                                 backend=backend, use_local_synchronization=True)
+        # Every rank walks the same list of sub-groups in the same order and creates those it belongs to, so two
+        # ranks that share several sub-groups create them in the same order (each creation waits for its members).
+        for ranks in _subgroup_list(self.policy, self.world_size):
+            if self.rank in ranks:
+                self._groups[ranks] = dist.new_group(list(ranks), timeout=timedelta(seconds=self.timeout_s),
+                                                     backend=backend, use_local_synchronization=True)
         # A store every rank reaches, where members post their arrival at (and completion of) each split sample, so
         # that a failed group can name who is missing (gloo's own errors name no rank).
         self._store = Meeting(None, self.timeout_s).store
         self._runs: dict[tuple[int, ...], int] = {}
 
-    def group(self, ranks: Sequence[int]):
-        """The process group of ``ranks`` (an aligned block of an allowed size that contains this rank)."""
+    def shape(self, ranks: Sequence[int]) -> tuple[int, int]:
+        """(Ulysses ranks, ring ranks) of the group ``ranks``, which must be an aligned block of an allowed size that
+        contains this rank."""
         key = tuple(int(r) for r in ranks)
-        found = self._groups.get(key)
-        if found is None:
+        g = len(key)
+        aligned = g in self.sizes and key == tuple(range(key[0], key[0] + g)) and key[0] % g == 0
+        if self.rank not in key or not aligned:
             why = ("this rank is not one of them" if self.rank not in key else
                    f"groups are aligned blocks of {list(self.sizes)} ranks (SplitPolicy.group_sizes)")
             raise ValueError(f"ds_odc: rank {self.rank} has no sequence-parallel group {list(key)}: {why}. Plan with "
                              "the same SplitPolicy as this SequenceParallel")
-        return found
+        u = self.policy.ulysses_size(g)
+        return u, g // u
 
-    def slice(self, sample: Mapping[str, Any] | torch.Tensor, ranks: Sequence[int], *, pad_token_id: int = 0,
-              device: torch.device | str | None = None) -> SplitSlice:
-        """This rank's slice of ``sample`` split over ``ranks`` (see :func:`slice_sample`), on ``device``."""
-        self.group(ranks)  # refuse a group this rank cannot run before any work
-        piece = slice_sample(sample, ranks, list(ranks).index(self.rank), pad_token_id=pad_token_id)
-        if device is None:
-            return piece
-        return SplitSlice(piece.input_ids.to(device), piece.position_ids.to(device), piece.shift_labels.to(device),
-                          piece.ranks, piece.member, piece.sample_tokens)
+    def slice(self, sample: Mapping[str, Any] | torch.Tensor, split: "Sequence[int] | SplitSample", *,
+              pad_token_id: int = 0, device: torch.device | str | None = None) -> SplitSlice:
+        """This rank's slice of ``sample`` split over ``split`` (a plan's ``SplitSample``, or its ranks; see
+        :func:`slice_sample`), on ``device``."""
+        ranks = tuple(split.ranks if isinstance(split, SplitSample) else (int(r) for r in split))
+        u, _ = self.shape(ranks)  # refuse a group this rank cannot run before any work
+        if isinstance(split, SplitSample) and split.ulysses != u:
+            raise ValueError(f"ds_odc: the plan splits sample {split.index} as {split.shape} (Ulysses x ring), but "
+                             f"this SequenceParallel's policy gives a group of {split.size} the shape {u}x"
+                             f"{split.size // u}. Plan with the same SplitPolicy as this SequenceParallel")
+        piece = slice_sample(sample, ranks, ranks.index(self.rank), ulysses=u, pad_token_id=pad_token_id)
+        return piece if device is None else piece.to(device)
+
+    def _subgroups(self, piece: SplitSlice) -> tuple[Any, Any]:
+        """The Ulysses and ring process groups (``None`` where that part has one rank) of ``piece``'s group."""
+        u, r = self.shape(piece.ranks)
+        if (u, r) != (piece.layout.ulysses, piece.layout.ring):
+            raise ValueError(f"ds_odc: the slice was cut for a {piece.layout.ulysses}x{piece.layout.ring} group, but "
+                             f"this SequenceParallel runs a group of {len(piece.ranks)} as {u}x{r}: slice it with "
+                             "SequenceParallel.slice")
+        j, i = divmod(piece.member, u)
+        ulysses = self._groups[piece.ranks[j * u:(j + 1) * u]] if u > 1 else None
+        ring = self._groups[piece.ranks[i::u]] if r > 1 else None
+        return ulysses, ring
+
 
     @contextlib.contextmanager
     def run(self, piece: SplitSlice) -> Iterator[None]:
@@ -249,11 +341,11 @@ class SequenceParallel:
             raise RuntimeError("ds_odc: SequenceParallel.run is already active on this rank (one split sample at a "
                                "time)")
         ranks = piece.ranks
-        group = self.group(ranks)
+        ulysses_group, ring_group = self._subgroups(piece)
         count = self._runs.get(ranks, 0) + 1
         self._runs[ranks] = count
         self._post(ranks, count, "arrived")
-        active = _active = _Active(group, ranks)
+        active = _active = _Active(ranks, piece.layout, piece.member, ulysses_group, ring_group)
         try:
             yield
         except RuntimeError as err:
@@ -265,8 +357,8 @@ class SequenceParallel:
         if active.calls == 0:
             raise ValueError(f"ds_odc: no attention layer ran over the group {list(ranks)} inside "
                              "SequenceParallel.run, so each rank attended over its own slice only. Build the model "
-                             f"with attn_implementation=\"{ATTENTION_NAME}\" (import ds_odc.training.sequence_parallel first) "
-                             "and run its forward inside run()")
+                             f"with attn_implementation=\"{ATTENTION_NAME}\" (import ds_odc.training.sequence_parallel "
+                             "first) and run its forward inside run()")
         self._post(ranks, count, "done")
 
     # -- naming who is missing -------------------------------------------------------------------------------------

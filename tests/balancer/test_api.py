@@ -42,6 +42,45 @@ def test_pure_python_no_communication():
         assert not any(m.startswith("ds_odc.") and not m.startswith("ds_odc.balancer") for m in mods), (f.name, mods)
 
 
+def _relative_imports(path: pathlib.Path) -> list[ast.ImportFrom]:
+    return [n for n in ast.walk(ast.parse(path.read_text())) if isinstance(n, ast.ImportFrom) and n.level == 1]
+
+
+def test_modules_import_no_private_name_and_no_circle():
+    """Inside the package, a module imports only another's public names, and the imports form no circle (the
+    contract, plan.py, sits below the planners; the registry, planners.py, above them)."""
+    graph = {}
+    for f in SOURCE.glob("*.py"):
+        imports = _relative_imports(f)
+        private = [(n.module, a.name) for n in imports for a in n.names if a.name.startswith("_")]
+        assert not private, (f.name, private)
+        graph[f.stem] = {n.module for n in imports if n.module}
+    done, visiting = set(), []
+
+    def visit(module):
+        assert module not in visiting, f"import circle: {' -> '.join(visiting + [module])}"
+        if module in done:
+            return
+        visiting.append(module)
+        for dep in graph.get(module, ()):
+            visit(dep)
+        visiting.pop()
+        done.add(module)
+
+    for module in graph:
+        visit(module)
+
+
+def test_one_registry_names_the_planners():
+    """Only the registry spells planner names; the sampler, the simulator and the split planner read it."""
+    for name in ("sampler.py", "simulate.py", "sp.py", "whole.py"):
+        tree = ast.parse((SOURCE / name).read_text())
+        docstrings = {id(n.value) for n in ast.walk(tree) if isinstance(n, ast.Expr)}
+        named = [n.value for n in ast.walk(tree) if isinstance(n, ast.Constant) and id(n) not in docstrings
+                 and isinstance(n.value, str) and any(p in n.value for p in B.PLANNERS)]
+        assert not named, (name, named)
+
+
 @pytest.mark.parametrize("planner,max_tokens,oversize", [("lb-mini", 600, "truncate"), ("lb-micro", 600, "error"),
                                                           ("local-sort", None, "error"), ("lb-mini", None, "error")])
 def test_every_rank_derives_the_true_number_of_loss_terms(planner, max_tokens, oversize):

@@ -2,9 +2,10 @@ import numpy as np
 import pytest
 from hypothesis import given, settings, strategies as st
 
-from ds_odc.balancer import PLANNERS, FittedCost, Plan, QuadraticCost, pack, plan_minibatch
+from ds_odc.balancer import FittedCost, Plan, QuadraticCost, get_planner, pack, plan_minibatch
+from ds_odc.balancer.plan import step_time
 from ds_odc.balancer.presets import get_preset
-from ds_odc.balancer.simulate import SYNC_MODE, step_time_of
+from ds_odc.balancer.simulate import WHOLE_SAMPLE_PLANNERS as PLANNERS
 
 
 def _all_samples(plan: Plan):
@@ -67,7 +68,7 @@ def test_lb_mini_balances_better_than_lb_micro_and_local_sort():
         busy += sum(lengths)
         for p in PLANNERS:
             plan = plan_minibatch(lengths, R, planner=p, max_tokens=T)
-            t[p] += step_time_of(plan, plan.microbatch_costs("tokens", lengths), SYNC_MODE[p])
+            t[p] += step_time(plan.microbatch_costs("tokens", lengths), get_planner(p).runtime)
     bubble = {p: 1 - busy / (R * t[p]) for p in PLANNERS}
     assert bubble["lb-mini"] < 0.03
     assert bubble["lb-micro"] > 0.10
@@ -184,7 +185,7 @@ def test_packed_lb_mini_is_near_the_brute_force_optimum(fixed):
     minibatches (each side packed into its fewest microbatches), lb-mini's true makespan is within 1% on average
     and 10% at worst, and better on average than a plan blind to the fixed cost (measured: 1.002 / 1.049 vs
     1.005-1.008 / 1.10-1.36)."""
-    from ds_odc.balancer.packing import _fewest
+    from ds_odc.balancer.packing import fewest_bins
 
     rng = np.random.default_rng(1)
     cost = FittedCost(1.0, 1e-4, fixed)
@@ -195,7 +196,7 @@ def test_packed_lb_mini_is_near_the_brute_force_optimum(fixed):
         s = cost.sample_costs(lengths)
 
         def total(items):
-            return sum(s[i] for i in items) + fixed * (len(_fewest([lengths[i] for i in items], T)) if items else 0)
+            return sum(s[i] for i in items) + fixed * (len(fewest_bins([lengths[i] for i in items], T)) if items else 0)
 
         best = min(max(total([i for i in range(n) if m >> i & 1]), total([i for i in range(n) if not m >> i & 1]))
                    for m in range(2 ** n))

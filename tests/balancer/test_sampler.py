@@ -4,9 +4,9 @@ import numpy as np
 import pytest
 
 from ds_odc.balancer.checks import DataError, check_label_lengths
+from ds_odc.balancer.lengths import lengths_from_dataset, lengths_from_file, sq_lengths_from_dataset
 from ds_odc.balancer.presets import get_preset
-from ds_odc.balancer.sampler import (BalancedBatchSampler, RankBatch, lengths_from_dataset, lengths_from_file,
-                                    sq_lengths_from_dataset)
+from ds_odc.balancer.sampler import BalancedBatchSampler, RankBatch
 
 W, M = 4, 3
 LENGTHS = get_preset("long-sft").sample(100, seed=7).tolist()

@@ -8,15 +8,15 @@ from ds_odc.balancer.presets import PRESETS, get_preset, longtail_from_normals
 from hypothesis import given, settings, strategies as st
 
 from ds_odc.balancer import FittedCost
-from ds_odc.balancer.simulate import PLAN_COSTS, main, simulate, simulate_step, step_time_of
+from ds_odc.balancer.plan import step_time
+from ds_odc.balancer.simulate import PLAN_COSTS, main, simulate, simulate_step
 
 
 def test_step_time_collective_vs_odc_by_hand():
     # rank 0: microbatches costing 5, 1 ; rank 1: 2, 2, 2
     mb = [[5.0, 1.0], [2.0, 2.0, 2.0]]
-    plan = None
-    assert step_time_of(plan, mb, "collective") == 5 + 2 + 2
-    assert step_time_of(plan, mb, "odc") == 6
+    assert step_time(mb, "collective") == 5 + 2 + 2
+    assert step_time(mb, "odc") == 6
 
 
 def test_bubble_definition_on_a_tiny_case():

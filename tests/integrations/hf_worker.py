@@ -166,6 +166,38 @@ def scenario_sft(tmp: str):
               "odc_attention": odc.model.config._attn_implementation})
 
 
+def scenario_split(tmp: str):
+    """OdcTrainer with balancer_planner="lb-mini-sp" and a 48-token budget on samples up to 90 tokens: these train
+    whole, each split over both ranks (the model's attention becomes ds_odc_sp), against OdcTrainer with lb-mini and
+    no budget (every sample whole on one rank) on the same minibatches."""
+    from datasets import Dataset
+
+    from ds_odc.integrations.transformers import OdcTrainer
+
+    import torch
+    import torch.distributed as dist
+    short = list(token_dataset(28, min_len=4, max_len=30)["input_ids"])
+    g = torch.Generator().manual_seed(7)
+    long = [torch.randint(0, 256, (n,), generator=g).tolist() for n in (90, 70, 81, 60)]
+    data = Dataset.from_dict({"input_ids": short + long})
+    base = tiny_llama()
+    models = {name: copy.deepcopy(base) for name in ("split", "whole")}
+    common = dict(per_device_train_batch_size=2, gradient_accumulation_steps=2)
+    split = OdcTrainer(models["split"], training_args(f"{tmp}/split", odc=True, **common), train_dataset=data,
+                       balancer_planner="lb-mini-sp", max_tokens_per_microbatch=48, balancer_cost="tokens")
+    split.train()
+    whole = OdcTrainer(models["whole"], training_args(f"{tmp}/whole", odc=True, **common), train_dataset=data,
+                       balancer_planner="lb-mini", balancer_cost="tokens")
+    whole.train()
+    sampler = split.odc_pack_sampler.sampler
+    splits = sum(len(sampler.minibatch(step).splits) for step in range(len(sampler)))
+    if dist.get_rank() == 0:
+        emit({"loss": {"split": logged(split, "loss"), "whole": logged(whole, "loss")},
+              "grad_norm": {"split": logged(split, "grad_norm"), "whole": logged(whole, "grad_norm")},
+              "attention": split.model.config._attn_implementation, "split_samples": splits,
+              "truncated": int(sampler.data_report.truncated.size)})
+
+
 def main():
     init_ranks(timeout_s=60)
     with shared_tmpdir("odc_hf_") as tmp:  # removed when the scenario is done

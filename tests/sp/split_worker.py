@@ -1,6 +1,13 @@
 """Split samples under ZeRO-3 + ODC on CPU ranks. Launched by test_split_training.py through ``_support.launch``.
 
 Usage: split_worker.py SCENARIO [options]; rank 0 prints one ODC_RESULT line.
+
+Models (tiny, random, nothing downloaded), chosen so the heads force each shape of a split group:
+
+* ``llama``: 4 query heads, 1 KV head: Ulysses alone for groups of 2 and 4 (the KV head replicated);
+* ``qwen2``: 4 query heads, 2 KV heads: Ulysses alone for groups of 2 and 4;
+* ``qwen2-ring``: 3 query heads, 1 KV head: Ulysses cannot share 3 heads, so every group is a ring (1 x g);
+* ``llama-2x``: 2 query heads, 1 KV head: Ulysses over 2, so a group of 4 is 2 x 2 and one of 8 is 2 x 4.
 """
 
 from __future__ import annotations
@@ -16,8 +23,9 @@ import torch
 import ds_odc  # noqa: F401  (installs the odc config key before any engine is built)
 import ds_odc.training.sequence_parallel  # noqa: F401  (registers attn_implementation="ds_odc_sp")
 from _support.launch import emit, init_test_ranks
+from ds_odc.balancer.planners import plan_minibatch
+from ds_odc.balancer.sp import SplitPolicy
 from ds_odc.training.collate import PackedCollator
-from ds_odc.balancer.sp import SplitPolicy, plan_split
 from ds_odc.training.distributed import shutdown_and_exit
 from ds_odc.training.loss import global_mean_weight, token_loss_sum, use_chunked_loss
 from ds_odc.training.sequence_parallel import SequenceParallel, slice_loss_sum
@@ -26,28 +34,33 @@ sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", "zero"))
 from _workload import client_optimizer, ds_config, full_params, max_rel_diff  # noqa: E402
 
 VOCAB = 256
-DEVICE = torch.device("cpu")  # cuda:N when ODC_TEST_CUDA=1 (tests/gpu/test_split_gpu.py)
-MAX_TOKENS = 24  # a microbatch's budget: a 40-token sample must split over 2 ranks, an 80-token one over 4
+DEVICE = torch.device("cpu")  # cuda when ODC_TEST_CUDA=1 (tests/gpu/test_split_gpu.py)
+MAX_TOKENS = 24  # a microbatch's budget: a 40-token sample must split over 2 ranks, 80 over 4, 160 over 8
+# Per world size, the long samples of each step (3 short ones per rank come with them).
+GIANTS = {2: [[40], [40], [40]], 4: [[40], [40], [80, 40]], 8: [[160, 40], [80, 40, 40], [160, 80]]}
+SHORT = {2: (10, 25), 4: (10, 25), 8: (2, 20)}  # lengths of the short samples: packed unevenly, counts differ
+SHAPES = {"llama": (4, 1, 32), "qwen2": (4, 2, 32), "qwen2-ring": (3, 1, 24), "llama-2x": (2, 1, 32)}
 
 
 def tiny_model(kind: str, attn: str, seed: int = 0):
-    """Tiny Llama with one KV head (Ulysses replicates it at g=2) or tiny Qwen2 with two (replicated at g=4)."""
+    """The tiny model ``kind`` (see the module docstring) with attention ``attn``."""
     from transformers import LlamaConfig, LlamaForCausalLM, Qwen2Config, Qwen2ForCausalLM
     torch.manual_seed(seed)
-    shape = dict(hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4,
-                 vocab_size=VOCAB, max_position_embeddings=256, tie_word_embeddings=False, use_cache=False,
-                 attn_implementation=attn)
-    if kind == "llama":
-        return LlamaForCausalLM(LlamaConfig(num_key_value_heads=1, **shape)).to(DEVICE)
-    return Qwen2ForCausalLM(Qwen2Config(num_key_value_heads=2, **shape)).to(DEVICE)
+    heads, kv_heads, hidden = SHAPES[kind]
+    shape = dict(hidden_size=hidden, intermediate_size=64, num_hidden_layers=2, num_attention_heads=heads,
+                 num_key_value_heads=kv_heads, vocab_size=VOCAB, max_position_embeddings=256,
+                 tie_word_embeddings=False, use_cache=False, attn_implementation=attn)
+    if kind.startswith("llama"):
+        return LlamaForCausalLM(LlamaConfig(**shape)).to(DEVICE)
+    return Qwen2ForCausalLM(Qwen2Config(**shape)).to(DEVICE)
 
 
 def minibatch(step: int, world: int) -> list[torch.Tensor]:
-    """The global minibatch of ``step`` (same on every rank): one 40-token sample (split over 2 ranks), at 4 ranks
-    in the last step also an 80-token one (split over all 4), and 3 short samples per rank."""
+    """The global minibatch of ``step`` (same on every rank): the long samples of :data:`GIANTS`, then 3 short
+    samples per rank."""
     g = torch.Generator().manual_seed(500 + step)
-    giants = [80, 40] if world == 4 and step == 2 else [40]
-    lengths = giants + torch.randint(10, 25, (3 * world,), generator=g).tolist()
+    lo, hi = SHORT[world]
+    lengths = GIANTS[world][step % 3] + torch.randint(lo, hi, (3 * world,), generator=g).tolist()
     return [torch.randint(0, VOCAB, (n,), generator=g).to(DEVICE) for n in lengths]
 
 
@@ -83,15 +96,16 @@ def train(engine, sp: SequenceParallel, steps: int, world: int, rank: int, befor
     for step in range(steps):
         samples = minibatch(step, world)
         lengths = [s.numel() for s in samples]
-        plan = plan_split(lengths, world, max_tokens=MAX_TOKENS, cost="tokens", split=sp.policy)
+        plan = plan_minibatch(lengths, world, planner="lb-mini-sp", max_tokens=MAX_TOKENS, cost="tokens",
+                              split=sp.policy)
         weight = global_mean_weight(plan.num_label_tokens, world)
-        groups = plan.groups
+        split_of = {s.index: s for s in plan.splits}
         local = 0.0
         for mb in plan.microbatches[rank]:
-            if mb[0] in groups:
+            if mb[0] in split_of:
                 if before_split is not None:
                     before_split(step)
-                piece = sp.slice(samples[mb[0]], groups[mb[0]], device=DEVICE)
+                piece = sp.slice(samples[mb[0]], split_of[mb[0]], device=DEVICE)
                 with sp.run(piece):
                     if chunked:
                         loss = engine(input_ids=piece.input_ids, position_ids=piece.position_ids,
@@ -113,7 +127,7 @@ def train(engine, sp: SequenceParallel, steps: int, world: int, rank: int, befor
         engine.step()
         losses.append(local)
         counts.append(len(plan.microbatches[rank]))
-        splits.append([[s.index, list(s.ranks)] for s in plan.splits])
+        splits.append([[s.index, list(s.ranks), s.shape] for s in plan.splits])
     return losses, counts, splits
 
 
@@ -126,14 +140,11 @@ def build(model, timeout_s: float):
     return engine
 
 
-def scenario_train(args):
-    """Split samples and short ones, different microbatch counts per rank: loss and parameters after 3 SGD steps
-    against one process training the same minibatches (eager attention, every sample whole)."""
+def check_model(kind: str, args, world: int, rank: int) -> dict:
+    """Train ``kind`` for ``args.steps`` steps with split samples; the numbers test_split_training.py asserts."""
     import torch.distributed as dist
-    import deepspeed.comm as ds_comm
-    rank, world = dist.get_rank(), dist.get_world_size()
-    model = tiny_model(args.model, "ds_odc_sp")
-    ref_model, ref_losses = reference(tiny_model(args.model, "eager"), args.steps, world)
+    model = tiny_model(kind, "ds_odc_sp")
+    ref_model, ref_losses = reference(tiny_model(kind, "eager"), args.steps, world)
     if args.checkpointing:  # attention is recomputed in the backward, which must still run over the group
         model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
     if args.chunked_loss:
@@ -143,14 +154,25 @@ def scenario_train(args):
     engine = build(model, timeout_s=60)
     losses, counts, splits = train(engine, sp, args.steps, world, rank, chunked=args.chunked_loss)
     totals = torch.tensor(losses, dtype=torch.float64, device=DEVICE)
-    ds_comm.all_reduce(totals)  # each rank's share of the loss: the sum is the minibatch's mean loss
+    dist.all_reduce(totals)  # each rank's share of the loss: the sum is the minibatch's mean loss
     all_counts = [None] * world
     dist.all_gather_object(all_counts, counts)
     params = full_params(engine)
+    engine.destroy()
+    return {"max_rel_diff": max_rel_diff(params, full_params(ref_model)), "losses": totals.tolist(),
+            "ref_losses": ref_losses, "counts": all_counts, "splits": splits,
+            "moved": _moved(params, full_params(tiny_model(kind, "eager"))), "refused": refused}
+
+
+def scenario_train(args):
+    """Split samples and short ones, different microbatch counts per rank: loss and parameters after 3 SGD steps
+    against one process training the same minibatches (eager attention, every sample whole), for every model of
+    ``--model`` (comma-separated) in one launch."""
+    import torch.distributed as dist
+    rank, world = dist.get_rank(), dist.get_world_size()
+    results = {kind: check_model(kind, args, world, rank) for kind in args.model.split(",")}
     if rank == 0:
-        emit({"max_rel_diff": max_rel_diff(params, full_params(ref_model)), "losses": totals.tolist(),
-              "ref_losses": ref_losses, "counts": all_counts, "splits": splits,
-              "moved": _moved(params, full_params(tiny_model(args.model, "eager"))), "refused": refused})
+        emit(results)
 
 
 def refusal_of_a_model_without_ds_odc_sp(sp: SequenceParallel, world: int) -> str | None:
@@ -177,7 +199,7 @@ def scenario_member_fails(args):
     SplitSampleError naming it within the timeout."""
     import torch.distributed as dist
     rank, world = dist.get_rank(), dist.get_world_size()
-    model = tiny_model("llama", "ds_odc_sp")
+    model = tiny_model(args.model, "ds_odc_sp")
     sp = SequenceParallel(policy(model), timeout_s=args.timeout)
     engine = build(model, timeout_s=args.timeout)
 
@@ -202,7 +224,7 @@ def scenario_member_fails(args):
 def main():
     parser = argparse.ArgumentParser()
     parser.add_argument("scenario")
-    parser.add_argument("--model", choices=["llama", "qwen2"], default="llama")
+    parser.add_argument("--model", default="llama", help="one of the module docstring's models (train: a list)")
     parser.add_argument("--steps", type=int, default=3)
     parser.add_argument("--timeout", type=float, default=6.0)
     parser.add_argument("--kill", action="store_true")
