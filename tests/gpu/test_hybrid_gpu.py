@@ -11,8 +11,7 @@ from pathlib import Path
 
 import pytest
 
-from _support.launch import launch
-from _launch import REPO, gpu_env, rank_params, run_plain_ranks  # tests/gpu is on sys.path (rootdir conftest)
+from _launch import REPO, launch_gpu, rank_params, run_plain_ranks  # tests/gpu is on sys.path (rootdir conftest)
 
 HYBRID = REPO / "tests" / "zero" / "hybrid_worker.py"
 WORKER = REPO / "tests" / "zero" / "worker.py"
@@ -27,7 +26,7 @@ pytestmark = [pytest.mark.gpu, pytest.mark.slow]
 def test_hybrid_matches_reference_and_flat_stock_on_gpu(nvshmem_op, nproc, remote, tmp_path):
     args = ["--shard-size", 2, "--checks", "uneven,equal,checkpoint", "--counts", "2,0,0,3", "--dir", tmp_path,
             *(["--remote"] if remote else [])]
-    r = launch(HYBRID, nproc, [str(a) for a in args], timeout=600, env=gpu_env(nproc)).check().result
+    r = launch_gpu(HYBRID, nproc, [str(a) for a in args], timeout=600).check().result
     uneven = r["uneven"]
     assert uneven["transport_ranks"] == 2 and uneven["partition_groups"] == [[0, 1]], uneven
     assert uneven["moved"] > 1e-3 and uneven["max_rel_diff"] < TOLERANCE, uneven
