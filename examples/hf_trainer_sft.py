@@ -93,7 +93,7 @@ def main():
         gradient_accumulation_steps=args.grad_accum, max_steps=args.max_steps, learning_rate=args.lr,
         lr_scheduler_type="constant", max_grad_norm=1.0, logging_steps=args.logging_steps,
         save_strategy="steps" if args.save_steps else "no", save_steps=args.save_steps or 500,
-        report_to=[], use_cpu=not on_gpu, optim="adamw_torch", bf16=args.bf16, deepspeed=ds_config(args.odc, args.bf16),
+        report_to=[], use_cpu=not on_gpu, ddp_backend="gloo" if args.shared_gpu else None, optim="adamw_torch", bf16=args.bf16, deepspeed=ds_config(args.odc, args.bf16),
         seed=0, disable_tqdm=True, dataloader_pin_memory=on_gpu,
     )
     config = LlamaConfig(hidden_size=hidden, num_hidden_layers=layers, num_attention_heads=heads,

@@ -77,6 +77,7 @@ def main():
         output_dir=args.output_dir, per_device_train_batch_size=args.per_device_batch,
         gradient_accumulation_steps=args.grad_accum, max_steps=args.max_steps, learning_rate=3e-4,
         logging_steps=1, save_strategy="no", report_to=[], use_cpu=not torch.cuda.is_available(),
+        ddp_backend="gloo" if args.shared_gpu else None,
         bf16=torch.cuda.is_available(),  # TRL's default is bf16, which on CPU means slow bf16 autocast
         optim="adamw_torch", seed=0, disable_tqdm=True, max_length=None, padding_free=True,
         deepspeed=deepspeed_config,

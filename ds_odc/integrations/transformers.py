@@ -47,7 +47,8 @@ from ds_odc.balancer.checks import check_label_lengths
 from ds_odc.integrations._hf_privates import check_transformers, loss_shifts_labels, remove_unused_columns
 from ds_odc.integrations._metrics import BalanceMeter
 from ds_odc.integrations._packs import Pack, PackBatchSampler, PackCollator, PackDataset
-from ds_odc.integrations._step import (BALANCER_STATE_NAME, OdcStep, load_balancer_state, resolve_checkpoint,
+from ds_odc.integrations._step import (BALANCER_STATE_NAME, OdcStep, check_shared_gpu_backend, load_balancer_state,
+                                       resolve_checkpoint,
                                        save_balancer_state)
 from ds_odc.training.attention import ATTENTION_NAME, remember_host_boundaries
 from ds_odc.training.loss import DEFAULT_CHUNK_TOKENS, count_loss_tokens, use_chunked_loss
@@ -109,6 +110,7 @@ class OdcTrainer(OdcStep, Trainer):
                  packed_attention: bool | None = None, loss_chunk_tokens: int | None = DEFAULT_CHUNK_TOKENS,
                  split_policy: SplitPolicy | None = None, **trainer_kwargs):
         ds_odc.patch()
+        check_shared_gpu_backend(args)
         self.odc = args is not None and odc_enabled(args)
         if self.odc:
             # Samples per rank per optimizer step, as the stock Trainer counts them; the loader then yields one pack

@@ -203,7 +203,8 @@ def scenario_gpu(args):
     padding-free (ds_odc_varlen on the GPU's kernels), each against stock in bf16 and against stock in fp32."""
     import torch
     import torch.distributed as dist
-    common = dict(loss_type="dapo", beta=0.04, max_steps=2, use_cpu=not torch.cuda.is_available(), learning_rate=1.0)
+    common = dict(loss_type="dapo", beta=0.04, max_steps=2, use_cpu=not torch.cuda.is_available(), learning_rate=1.0,
+                  ddp_backend="gloo" if os.environ.get("DS_ODC_SHARED_GPU") == "1" else None)
     with shared_tmpdir("odc_grpo_gpu_") as tmp:
         model_path = save_model(tmp, hidden_size=128)
         initial = initial_params(model_path)

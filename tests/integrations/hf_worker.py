@@ -142,6 +142,7 @@ def scenario_sft(tmp: str):
                          max_steps=4, learning_rate=1e-3, lr_scheduler_type="constant", warmup_steps=0,
                          weight_decay=0.0, max_grad_norm=1.0, logging_steps=1, save_strategy="no", report_to=[],
                          use_cpu=os.environ.get("ODC_TEST_CUDA") != "1", optim="adamw_torch", deepspeed=ds_config(odc),
+                         ddp_backend="gloo" if os.environ.get("DS_ODC_SHARED_GPU") == "1" else None,
                          seed=0, disable_tqdm=True,
                          dataloader_num_workers=0, max_length=None, padding_free=True, bf16=False,
                          gradient_checkpointing=False, **extra)

@@ -1,0 +1,51 @@
+"""The shared-GPU switch on a machine without a GPU: what it refuses, what it sets, and what the trainers check.
+(Running several ranks on one GPU is tested in tests/gpu, where every multi-rank test uses it on a one-GPU host.)"""
+
+import os
+import types
+
+import pytest
+import torch
+
+from ds_odc.training import distributed
+
+
+@pytest.fixture
+def clean_env(monkeypatch):
+    for key in (distributed.SHARED_GPU_ENV, "DS_ODC_LAUNCHER_LOCAL_RANK", "OMPI_COMM_WORLD_SIZE", "PMI_SIZE"):
+        monkeypatch.delenv(key, raising=False)
+    monkeypatch.delenv("DS_ACCELERATOR", raising=False)
+    return monkeypatch
+
+
+def test_refused_without_a_gpu(clean_env):
+    clean_env.setattr(torch.cuda, "is_available", lambda: False)
+    with pytest.raises(RuntimeError, match="needs a CUDA GPU.*drop the option"):
+        distributed.init_distributed(shared_gpu=True)
+    clean_env.setenv(distributed.SHARED_GPU_ENV, "1")  # the environment switch asks for the same
+    with pytest.raises(RuntimeError, match="needs a CUDA GPU"):
+        distributed.init_distributed()
+
+
+def test_refused_under_mpirun(clean_env):
+    clean_env.setattr(torch.cuda, "is_available", lambda: True)
+    clean_env.setenv("OMPI_COMM_WORLD_SIZE", "2")
+    with pytest.raises(RuntimeError, match="not supported under mpirun.*torchrun"):
+        distributed.init_distributed(shared_gpu=True)
+
+
+def test_every_rank_names_gpu_0(clean_env):
+    clean_env.setattr(torch.cuda, "is_available", lambda: True)
+    clean_env.setenv("LOCAL_RANK", "2")
+    distributed._share_one_gpu()
+    assert os.environ["LOCAL_RANK"] == "0" and os.environ["DS_ODC_LAUNCHER_LOCAL_RANK"] == "2"
+    assert distributed.shared_gpu_mode() and distributed.training_device() == torch.device("cuda", 0)
+
+
+def test_trainers_ask_for_gloo_in_accelerate(clean_env):
+    from ds_odc.integrations._step import check_shared_gpu_backend
+    check_shared_gpu_backend(types.SimpleNamespace(ddp_backend=None))  # not sharing: nothing to check
+    clean_env.setenv(distributed.SHARED_GPU_ENV, "1")
+    with pytest.raises(ValueError, match='ddp_backend="gloo"'):
+        check_shared_gpu_backend(types.SimpleNamespace(ddp_backend=None))
+    check_shared_gpu_backend(types.SimpleNamespace(ddp_backend="gloo"))
