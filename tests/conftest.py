@@ -8,7 +8,8 @@ can avoid them: torchrun's log folder (``torchelastic_*``) and torch.compile's p
 (``torchinductor_*``, written to the temporary folder whatever its cache setting). The rest of torch.compile's cache
 is kept in the checkout's ``.torch_ext/`` (git ignores it) beside the JIT-built ops, so later runs reuse it. Ranks
 started through ``_support.launch`` get a folder of their own, removed when they end. Pass ``--basetemp DIR`` to
-keep ``tmp_path`` folders for a look after the run.
+keep ``tmp_path`` folders for a look after the run. A test that leaves a ``DS_ODC_*`` environment variable changed fails
+too (later tests' ranks would inherit it).
 
 Nothing here imports ds_odc: the check of this check (tests/test_temp_dir.py) runs it in a bare pytest.
 """
@@ -25,6 +26,7 @@ import pytest
 REPO = Path(__file__).resolve().parents[1]
 TEMP_VARIABLES = ("TMPDIR", "TMP", "TEMP")
 TORCH_OWN = ("torchelastic_", "torchinductor_")  # see the module docstring
+OWN_PREFIX = "DS_ODC_"
 _suite_dir: Path | None = None
 
 
@@ -45,6 +47,22 @@ def pytest_configure(config):
 def pytest_unconfigure(config):
     if _suite_dir is not None:
         shutil.rmtree(_suite_dir, ignore_errors=True)
+
+
+@pytest.fixture(autouse=True)
+def _ds_odc_settings_left_alone(request):
+    """A ``DS_ODC_*`` variable that a test leaves set would reach every rank that later tests start (shared-GPU mode
+    left on once failed every multi-rank CPU test after it): such a change fails the test that made it, by name."""
+    before = {k: v for k, v in os.environ.items() if k.startswith(OWN_PREFIX)}
+    yield
+    after = {k: v for k, v in os.environ.items() if k.startswith(OWN_PREFIX)}
+    if after != before:
+        for key in after.keys() - before.keys():
+            del os.environ[key]
+        os.environ.update(before)
+        changed = sorted(k for k in before.keys() | after.keys() if before.get(k) != after.get(k))
+        pytest.fail(f"{request.node.nodeid} changed {changed} in os.environ and left them so: undo it (monkeypatch, "
+                    "or restore the environment when the test ends)", pytrace=False)
 
 
 @pytest.fixture(autouse=True)

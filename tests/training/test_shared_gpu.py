@@ -12,10 +12,17 @@ from ds_odc.training import distributed
 
 @pytest.fixture
 def clean_env(monkeypatch):
-    for key in (distributed.SHARED_GPU_ENV, "DS_ODC_LAUNCHER_LOCAL_RANK", "OMPI_COMM_WORLD_SIZE", "PMI_SIZE"):
+    """The switch writes os.environ directly (LOCAL_RANK, DS_ODC_SHARED_GPU) for the rest of the process, which
+    monkeypatch does not see: the whole environment is put back after each test, or every later test's ranks would
+    inherit shared-GPU mode."""
+    saved = dict(os.environ)
+    for key in (distributed.SHARED_GPU_ENV, "DS_ODC_LAUNCHER_LOCAL_RANK", "OMPI_COMM_WORLD_SIZE", "PMI_SIZE",
+                "DS_ACCELERATOR"):
         monkeypatch.delenv(key, raising=False)
-    monkeypatch.delenv("DS_ACCELERATOR", raising=False)
-    return monkeypatch
+    yield monkeypatch
+    monkeypatch.undo()
+    os.environ.clear()
+    os.environ.update(saved)
 
 
 def test_refused_without_a_gpu(clean_env):
