@@ -122,7 +122,7 @@ def report(runs: dict, args) -> float:
           "(*) stock ZeRO-3's ranks wait for each other inside every layer's all-gather and reduce-scatter, where no\n"
           "    clock tells waiting from work, so its bubble cannot be shown next to ODC's: compare samples/s. The\n"
           f"    waits seen outside the collectives ({seen}) are only what little shows.")
-    print(f"\nautomatic cost at the end of each run (busy = a*tokens + b*sum L^2 + c*microbatches + d)")
+    print("\nautomatic cost at the end of each run (busy = a*tokens + b*sum L^2 + c*microbatches + d)")
     for label in labels:
         cost = next((st["cost"] for st in reversed(runs[label]["steps"]) if st.get("cost")), None)
         if cost and cost["fitted"]:

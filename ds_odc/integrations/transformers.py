@@ -29,6 +29,7 @@ from __future__ import annotations
 
 import contextlib
 import copy
+import os
 from collections.abc import Mapping
 from typing import Any
 

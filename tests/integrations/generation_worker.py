@@ -24,7 +24,7 @@ sys.path.insert(0, os.path.join(HERE, "..", "zero"))
 import _workload  # noqa: E402
 import worker as zero_worker  # noqa: E402
 from _rl_workload import prompt_batch, tiny_qwen2  # noqa: E402
-from _workload import ds_config, full_params, max_rel_diff, reference_run  # noqa: E402
+from _workload import ds_config, flat, full_params, max_rel_diff, reference_run, rel_diff  # noqa: E402
 
 RESIDENCIES = ("block", "full")
 
@@ -128,7 +128,8 @@ def main():
     engine.odc_test_forwards = count_forwards(engine.module)
     plan = rank_plan(rank, world)
 
-    report = {"rank": rank, "rounds": {}, "param_diff": []}
+    report = {"rank": rank, "rounds": {}, "param_diff": [],
+              "reference_moved": rel_diff(flat(full_params(after_one).values()), flat(full_params(initial).values()))}
     zero_worker.CALLS["by_name"] = {}
     for phase, reference in (("initial", initial), ("after_step", after_one)):
         engine.module.eval()
