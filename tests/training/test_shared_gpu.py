@@ -20,7 +20,6 @@ def clean_env(monkeypatch):
                 "DS_ACCELERATOR"):
         monkeypatch.delenv(key, raising=False)
     yield monkeypatch
-    monkeypatch.undo()
     os.environ.clear()
     os.environ.update(saved)
 
