@@ -129,7 +129,6 @@ def main():
         num_generations=args.num_generations, gradient_accumulation_steps=args.grad_accum, max_steps=args.max_steps,
         max_completion_length=args.max_new_tokens, loss_type=args.loss_type, learning_rate=1e-4 if on_gpu else 1e-3,
         beta=0.0, logging_steps=1, save_strategy="no", report_to=[], use_cpu=not on_gpu, bf16=on_gpu,
-        ddp_backend="gloo" if args.shared_gpu else None,
         gradient_checkpointing=on_gpu, optim="adamw_torch", seed=0, disable_tqdm=True, log_completions=False,
         reward_weights=[1.0, 0.2], deepspeed=deepspeed_config, dataloader_num_workers=0,
     )

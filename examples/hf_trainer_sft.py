@@ -82,6 +82,7 @@ def main():
     from transformers import AutoModelForCausalLM, LlamaConfig, Trainer, TrainingArguments
 
     from ds_odc.training.collate import PackedCollator
+    from ds_odc.integrations import match_accelerate_backend
     from ds_odc.integrations.transformers import OdcTrainer
 
     hidden, layers, heads, kv, inter, vocab, budget, max_len = PRESETS[args.preset]
@@ -93,7 +94,7 @@ def main():
         gradient_accumulation_steps=args.grad_accum, max_steps=args.max_steps, learning_rate=args.lr,
         lr_scheduler_type="constant", max_grad_norm=1.0, logging_steps=args.logging_steps,
         save_strategy="steps" if args.save_steps else "no", save_steps=args.save_steps or 500,
-        report_to=[], use_cpu=not on_gpu, ddp_backend="gloo" if args.shared_gpu else None, optim="adamw_torch", bf16=args.bf16, deepspeed=ds_config(args.odc, args.bf16),
+        report_to=[], use_cpu=not on_gpu, optim="adamw_torch", bf16=args.bf16, deepspeed=ds_config(args.odc, args.bf16),
         seed=0, disable_tqdm=True, dataloader_pin_memory=on_gpu,
     )
     config = LlamaConfig(hidden_size=hidden, num_hidden_layers=layers, num_attention_heads=heads,
@@ -109,6 +110,7 @@ def main():
                              max_tokens_per_microbatch=max_tokens)
     else:  # the baseline: stock Trainer and ZeRO-3, one padding-free sample per microbatch
         trainer = Trainer(model, training_args, train_dataset=data, data_collator=PackedCollator())
+        match_accelerate_backend(trainer.args)  # gathers over gloo when the ranks share a GPU (--shared-gpu)
     result = trainer.train(resume_from_checkpoint=True if args.resume else None)
     if trainer.is_world_process_zero():
         summary = {k: round(v, 4) for k, v in result.metrics.items()}

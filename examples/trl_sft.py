@@ -20,6 +20,7 @@ import random
 import torch
 
 import ds_odc  # noqa: F401  (teaches DeepSpeed the `odc` key before SFTConfig and the model)
+from ds_odc.integrations import match_accelerate_backend
 from ds_odc.training.distributed import init_distributed, shutdown
 from toy_text import char_tokenizer  # examples/toy_text.py, next to this script
 
@@ -77,7 +78,6 @@ def main():
         output_dir=args.output_dir, per_device_train_batch_size=args.per_device_batch,
         gradient_accumulation_steps=args.grad_accum, max_steps=args.max_steps, learning_rate=3e-4,
         logging_steps=1, save_strategy="no", report_to=[], use_cpu=not torch.cuda.is_available(),
-        ddp_backend="gloo" if args.shared_gpu else None,
         bf16=torch.cuda.is_available(),  # TRL's default is bf16, which on CPU means slow bf16 autocast
         optim="adamw_torch", seed=0, disable_tqdm=True, max_length=None, padding_free=True,
         deepspeed=deepspeed_config,
@@ -89,6 +89,7 @@ def main():
                                 max_tokens_per_microbatch=args.max_tokens)
     else:
         trainer = SFTTrainer(model, config, train_dataset=data, processing_class=tokenizer)
+        match_accelerate_backend(trainer.args)  # gathers over gloo when the ranks share a GPU (--shared-gpu)
     result = trainer.train()
     if trainer.is_world_process_zero():
         print(f"done: {trainer.state.global_step} steps, train_loss={result.metrics['train_loss']:.4f}", flush=True)

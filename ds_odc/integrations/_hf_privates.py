@@ -16,7 +16,7 @@ import inspect
 
 __all__ = ["TRANSFORMERS_PRIVATES", "ACCELERATE_PRIVATES", "TRL_GRPO_PRIVATES", "TRL_SFT_PRIVATES",
            "INSTANCE_ATTRIBUTES", "check_transformers", "check_trl", "check_trl_instance", "set_sync_gradients",
-           "loss_shifts_labels", "remove_unused_columns", "rank_local_collectives"]
+           "loss_shifts_labels", "remove_unused_columns", "rank_local_collectives", "match_accelerate_backend"]
 
 TRL_SUPPORTED = ">=1.16,<1.17"
 
@@ -34,6 +34,7 @@ ACCELERATE_PRIVATES = {
     "GradientState._set_sync_gradients": "the Trainer's loop sets it per microbatch; under ODC one Trainer step runs a "
                                          "whole optimizer step, so the trainers set it around their own microbatches",
 }
+# Written, not only read: accelerate.PartialState.backend (see match_accelerate_backend).
 # trl.GRPOTrainer
 TRL_GRPO_PRIVATES = {
     "_generate_single_turn": "overridden: generation runs inside lockstep_free instead of TRL's full-model gather",
@@ -137,3 +138,16 @@ def rank_local_collectives(accelerator, on_reduce=None):
         yield
     finally:
         del accelerator.reduce, accelerator.gather, accelerator.gather_for_metrics
+
+
+def match_accelerate_backend(args) -> None:
+    """Make Accelerate's state name the backend torch.distributed really runs, when that is gloo. Why: with a
+    ``deepspeed`` config, ``TrainingArguments`` does not hand ``ddp_backend`` to Accelerate, which then assumes "nccl"
+    on CUDA and gathers into one flat tensor, a call gloo rejects for 2-D tensors (TRL's reward gather). That is the
+    case when several ranks share one GPU. ``args``: the trainer's ``TrainingArguments`` (after the trainer is built)."""
+    import torch.distributed as dist
+    state = getattr(args, "distributed_state", None)
+    if state is None or not (dist.is_available() and dist.is_initialized()):
+        return
+    if dist.get_backend() == "gloo" and getattr(state, "backend", None) != "gloo":
+        state.backend = "gloo"

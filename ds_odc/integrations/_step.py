@@ -42,18 +42,6 @@ class StepTimes:
     microbatches: int
 
 
-def check_shared_gpu_backend(args) -> None:
-    """With every rank on one GPU torch.distributed runs over gloo, and Accelerate must know it: it gathers with
-    ``all_gather_into_tensor`` into a flat output unless its backend is "gloo", which gloo rejects for 2-D tensors
-    (TRL's reward gather). Accelerate takes its backend from ``TrainingArguments.ddp_backend`` when the arguments
-    are built, so it cannot be fixed here any more, only named."""
-    from ds_odc.training.distributed import SHARED_GPU_ENV, shared_gpu_mode
-    if shared_gpu_mode() and args is not None and getattr(args, "ddp_backend", None) != "gloo":
-        raise ValueError(f"ds_odc: the ranks share one GPU ({SHARED_GPU_ENV}=1), where torch.distributed runs over "
-                         "gloo: pass ddp_backend=\"gloo\" to TrainingArguments (or its subclass, e.g. GRPOConfig), "
-                         "or Accelerate gathers the way NCCL does and gloo rejects it.")
-
-
 class OdcStep:
     """Mixed into a ``Trainer`` subclass (before the ``Trainer`` class) that sets ``self.odc`` and, with ODC on,
     ``self.odc_meter``. Subclasses may override :meth:`_odc_observe_cost` to feed their automatic cost."""

@@ -45,11 +45,11 @@ from ds_odc.balancer.sampler import BalancedBatchSampler
 from ds_odc.balancer.sp import SplitPolicy
 from ds_odc.config import odc_config_from_ds_config
 from ds_odc.balancer.checks import check_label_lengths
-from ds_odc.integrations._hf_privates import check_transformers, loss_shifts_labels, remove_unused_columns
+from ds_odc.integrations._hf_privates import (check_transformers, loss_shifts_labels, match_accelerate_backend,
+                                              remove_unused_columns)
 from ds_odc.integrations._metrics import BalanceMeter
 from ds_odc.integrations._packs import Pack, PackBatchSampler, PackCollator, PackDataset
-from ds_odc.integrations._step import (BALANCER_STATE_NAME, OdcStep, check_shared_gpu_backend, load_balancer_state,
-                                       resolve_checkpoint,
+from ds_odc.integrations._step import (BALANCER_STATE_NAME, OdcStep, load_balancer_state, resolve_checkpoint,
                                        save_balancer_state)
 from ds_odc.training.attention import ATTENTION_NAME, remember_host_boundaries
 from ds_odc.training.loss import DEFAULT_CHUNK_TOKENS, count_loss_tokens, use_chunked_loss
@@ -111,7 +111,6 @@ class OdcTrainer(OdcStep, Trainer):
                  packed_attention: bool | None = None, loss_chunk_tokens: int | None = DEFAULT_CHUNK_TOKENS,
                  split_policy: SplitPolicy | None = None, **trainer_kwargs):
         ds_odc.patch()
-        check_shared_gpu_backend(args)
         self.odc = args is not None and odc_enabled(args)
         if self.odc:
             # Samples per rank per optimizer step, as the stock Trainer counts them; the loader then yields one pack
@@ -121,6 +120,7 @@ class OdcTrainer(OdcStep, Trainer):
             args.gradient_accumulation_steps = 1
         user_collator = trainer_kwargs.get("data_collator", trainer_args[0] if trainer_args else None)
         super().__init__(model, args, *trainer_args, **trainer_kwargs)
+        match_accelerate_backend(self.args)
         if self.odc:
             # The ds_config keeps the caller's accumulation steps (filled in by TrainingArguments); ODC marks every
             # boundary itself, so the count is not used. Accelerate would adopt it anyway, with a "Gradient

@@ -43,11 +43,10 @@ from ds_odc.balancer.cost import get_cost_model
 from ds_odc.balancer.sampler import auto_cost_prior
 from ds_odc.integrations import _rollout as rollout
 from ds_odc.integrations._completions import pack_completions, score_completions
-from ds_odc.integrations._hf_privates import (TRL_GRPO_PRIVATES, check_trl, check_trl_instance,
+from ds_odc.integrations._hf_privates import (TRL_GRPO_PRIVATES, check_trl, check_trl_instance, match_accelerate_backend,
                                               rank_local_collectives)
 from ds_odc.integrations._metrics import BalanceMeter
-from ds_odc.integrations._step import (OdcStep, check_shared_gpu_backend, load_balancer_state, resolve_checkpoint,
-                                       save_balancer_state)
+from ds_odc.integrations._step import OdcStep, load_balancer_state, resolve_checkpoint, save_balancer_state
 from ds_odc.integrations._stock_metrics import SlotMetrics, combine
 from ds_odc.integrations.generation import RESIDENCIES, is_odc_engine, lockstep_free
 from ds_odc.integrations.transformers import odc_enabled
@@ -115,7 +114,6 @@ class OdcGRPOTrainer(OdcStep, GRPOTrainer):
                  balancer_cost: Any = "auto", generation_residency: str | None = None,
                  max_resident_bytes: int | None = None, **trainer_kwargs):
         ds_odc.patch()
-        check_shared_gpu_backend(args)
         self.odc = args is not None and odc_enabled(args)
         if self.odc:
             refused = _refusals(args, trainer_kwargs)
@@ -131,6 +129,7 @@ class OdcGRPOTrainer(OdcStep, GRPOTrainer):
                                  "(PEFT/LoRA adapters are not tested with ODC yet): train without ODC, or merge the "
                                  "adapter into a full fine-tune")
         super().__init__(model, reward_funcs, args, *trainer_args, **trainer_kwargs)
+        match_accelerate_backend(self.args)
         if self.odc:
             check_trl_instance(self, TRL_GRPO_PRIVATES)
         if self.odc and (self._is_vlm or self.aux_loss_enabled):

@@ -14,6 +14,7 @@ from __future__ import annotations
 import os
 import socket
 import threading
+import time
 from datetime import timedelta
 
 import torch.distributed as dist
@@ -107,11 +108,12 @@ class Meeting:
         if self.store is not None:
             self.store.set(self._key(self.rank), str(self.arrivals))
         watch = _Watch(self) if self.store is not None else None
+        deadline = time.monotonic() + timeout
         try:
             dist.monitored_barrier(group=self.group, timeout=timedelta(seconds=timeout), wait_all_ranks=True)
         except RuntimeError as err:
             seen = watch.stop() if watch is not None else None
-            missing = self.missing(seen)
+            missing = self.missing(seen, until=deadline)
             who = f"ranks {missing} did not arrive" if missing else "a peer did not arrive or died"
             raise FenceTimeout(
                 f"ds_odc: rank {self.job_ranks[self.rank]}: {what} did not complete within {timeout:g} s: {who}. "
@@ -127,20 +129,27 @@ class Meeting:
             self.store.set_timeout(timedelta(seconds=reply_s))
         return {r: int(self.store.get(self._key(r))) for r in range(self.world_size)}
 
-    def missing(self, seen: dict[int, int] | None = None) -> list[int]:
+    def missing(self, seen: dict[int, int] | None = None, until: float | None = None) -> list[int]:
         """Ranks (of the job) whose posted arrival count is behind this rank's (empty when that cannot be told).
         When the store no longer answers, the counts ``seen`` while waiting tell; without them, the store's host is
-        named."""
+        named. ``until`` (a ``time.monotonic()`` deadline): a barrier fails at once when a peer's connection closes,
+        while a live rank may still be on its way; ranks behind are re-read until they have all come or the meeting's
+        timeout is over, so only those that never came within it are named."""
         if self.store is None:
             return []
-        try:
-            counts = self.counts(reply_s=_STORE_REPLY_S)
-        except Exception:  # noqa: BLE001 - the store's host may be the rank that died, or left after failing
-            if seen is None:
-                return [self.job_ranks[0]] if self.rank != 0 else []
-            counts = seen
-        return [self.job_ranks[r] for r in range(self.world_size)
-                if r != self.rank and counts.get(r, 0) < self.arrivals]
+        while True:
+            try:
+                counts = self.counts(reply_s=_STORE_REPLY_S)
+            except Exception:  # noqa: BLE001 - the store's host may be the rank that died, or left after failing
+                if seen is None:
+                    return [self.job_ranks[0]] if self.rank != 0 else []
+                counts, until = seen, None
+            behind = [self.job_ranks[r] for r in range(self.world_size)
+                      if r != self.rank and counts.get(r, 0) < self.arrivals]
+            if not behind or until is None or time.monotonic() >= until:
+                return behind
+            seen = counts
+            time.sleep(_WATCH_EVERY_S)
 
 
 class _Watch:

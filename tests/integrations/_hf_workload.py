@@ -47,7 +47,6 @@ def training_args(output_dir: str, odc: bool, **overrides):
                   learning_rate=1e-3, lr_scheduler_type="constant", warmup_steps=0, weight_decay=0.0,
                   max_grad_norm=1.0, logging_steps=1, save_strategy="no", report_to=[],
                   use_cpu=os.environ.get("ODC_TEST_CUDA") != "1",
-                  ddp_backend="gloo" if os.environ.get("DS_ODC_SHARED_GPU") == "1" else None,
                   optim="adamw_torch", deepspeed=ds_config(odc), seed=0, disable_tqdm=True,
                   dataloader_num_workers=0, dataloader_pin_memory=False)
     kwargs.update(overrides)

@@ -70,12 +70,14 @@ def train(model_path: str, out: str, variant: str, resume: str | None = None, od
           **overrides) -> dict:
     from trl import GRPOTrainer
 
+    from ds_odc.integrations import match_accelerate_backend
     from ds_odc.integrations.trl_grpo import OdcGRPOTrainer
     config = grpo_config(out, odc=variant != "stock", **overrides)
     kwargs = dict(reward_funcs=letter_reward, args=config, train_dataset=prompt_dataset(64),
                   processing_class=char_tokenizer(), rollout_func=scripted_rollout(MAX_NEW))
     if variant == "stock":
         trainer = GRPOTrainer(model_path, **kwargs)
+        match_accelerate_backend(trainer.args)  # stock, on one GPU shared over gloo
     else:  # budgets: padded rows x width, or tokens of a packed row. A cost dominated by squared lengths (attention)
         # gives ranks different microbatch counts more often than tokens do (the automatic cost: see resume()).
         from ds_odc.balancer.cost import QuadraticCost
@@ -203,8 +205,7 @@ def scenario_gpu(args):
     padding-free (ds_odc_varlen on the GPU's kernels), each against stock in bf16 and against stock in fp32."""
     import torch
     import torch.distributed as dist
-    common = dict(loss_type="dapo", beta=0.04, max_steps=2, use_cpu=not torch.cuda.is_available(), learning_rate=1.0,
-                  ddp_backend="gloo" if os.environ.get("DS_ODC_SHARED_GPU") == "1" else None)
+    common = dict(loss_type="dapo", beta=0.04, max_steps=2, use_cpu=not torch.cuda.is_available(), learning_rate=1.0)
     with shared_tmpdir("odc_grpo_gpu_") as tmp:
         model_path = save_model(tmp, hidden_size=128)
         initial = initial_params(model_path)

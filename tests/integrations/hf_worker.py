@@ -26,6 +26,7 @@ def scenario_equivalence(tmp: str):
     from transformers import Trainer
 
     from ds_odc.training.collate import PackedCollator
+    from ds_odc.integrations import match_accelerate_backend
     from ds_odc.integrations.transformers import OdcTrainer
 
     import torch.distributed as dist
@@ -48,6 +49,7 @@ def scenario_equivalence(tmp: str):
                       train_sampling_strategy="sequential")
     stock = Trainer(models["stock"], training_args(f"{tmp}/stock", odc=False, **stock_args),
                     train_dataset=ordered, data_collator=PackedCollator())
+    match_accelerate_backend(stock.args)  # stock, on one GPU shared over gloo
     stock.train()
     off = OdcTrainer(models["odc_off"], training_args(f"{tmp}/off", odc=False, **stock_args),
                      train_dataset=ordered, data_collator=PackedCollator())
@@ -130,6 +132,7 @@ def scenario_sft(tmp: str):
 
     from _hf_workload import ds_config
     from _rl_workload import char_tokenizer
+    from ds_odc.integrations import match_accelerate_backend
     from ds_odc.integrations.trl_sft import OdcSFTTrainer
 
     tok = char_tokenizer()
@@ -142,7 +145,6 @@ def scenario_sft(tmp: str):
                          max_steps=4, learning_rate=1e-3, lr_scheduler_type="constant", warmup_steps=0,
                          weight_decay=0.0, max_grad_norm=1.0, logging_steps=1, save_strategy="no", report_to=[],
                          use_cpu=os.environ.get("ODC_TEST_CUDA") != "1", optim="adamw_torch", deepspeed=ds_config(odc),
-                         ddp_backend="gloo" if os.environ.get("DS_ODC_SHARED_GPU") == "1" else None,
                          seed=0, disable_tqdm=True,
                          dataloader_num_workers=0, max_length=None, padding_free=True, bf16=False,
                          gradient_checkpointing=False, **extra)
@@ -153,6 +155,7 @@ def scenario_sft(tmp: str):
     order = odc.odc_pack_sampler.sampler.epoch_order(0).tolist()
     stock = SFTTrainer(models["stock"], config("stock", False, train_sampling_strategy="sequential"),
                        train_dataset=data.select(order), processing_class=tok)
+    match_accelerate_backend(stock.args)
     stock.train()
 
     def logs(trainer):

@@ -48,10 +48,16 @@ def test_every_rank_names_gpu_0(clean_env):
     assert distributed.shared_gpu_mode() and distributed.training_device() == torch.device("cuda", 0)
 
 
-def test_trainers_ask_for_gloo_in_accelerate(clean_env):
-    from ds_odc.integrations._step import check_shared_gpu_backend
-    check_shared_gpu_backend(types.SimpleNamespace(ddp_backend=None))  # not sharing: nothing to check
-    clean_env.setenv(distributed.SHARED_GPU_ENV, "1")
-    with pytest.raises(ValueError, match='ddp_backend="gloo"'):
-        check_shared_gpu_backend(types.SimpleNamespace(ddp_backend=None))
-    check_shared_gpu_backend(types.SimpleNamespace(ddp_backend="gloo"))
+def test_accelerate_is_told_the_backend_is_gloo(clean_env):
+    """Under DeepSpeed, TrainingArguments leaves Accelerate assuming nccl on CUDA; its gathers then take a path gloo
+    rejects for 2-D tensors. The trainers correct the state's backend when the process group is gloo."""
+    from ds_odc.integrations import match_accelerate_backend
+    args = types.SimpleNamespace(distributed_state=types.SimpleNamespace(backend="nccl"))
+    clean_env.setattr(torch.distributed, "is_initialized", lambda: True)
+    clean_env.setattr(torch.distributed, "get_backend", lambda group=None: "nccl")
+    match_accelerate_backend(args)
+    assert args.distributed_state.backend == "nccl"  # a real nccl group is left alone
+    clean_env.setattr(torch.distributed, "get_backend", lambda group=None: "gloo")
+    match_accelerate_backend(args)
+    assert args.distributed_state.backend == "gloo"
+    match_accelerate_backend(types.SimpleNamespace())  # arguments not yet set up: nothing to correct

@@ -125,6 +125,16 @@ def test_dead_rank_fails_others_and_leaves_no_shared_memory():
     assert leaked == []
 
 
+def test_dead_rank_is_named_and_a_late_one_is_not():
+    """Rank 2 dies while rank 1 is a few seconds late: the barrier fails as soon as the dead peer's connection closes,
+    but only the rank that never arrives within timeout_s may be named."""
+    r = launch(WORKER, 3, ["fence_timeout", "--timeout", "12", "--kill", "--victim", 2, "--late", 1], timeout=120,
+               launcher="plain")
+    err = r.results[-1]
+    assert err["error_type"] == "FenceTimeout" and err["missing"] == [2], err
+    assert err["after_s"] < 25, err
+
+
 def test_unsupported_options_are_rejected_at_initialize():
     r = run(1, "rejects")
     for option, outcome in r.items():

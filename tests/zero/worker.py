@@ -252,6 +252,8 @@ def scenario_fence_timeout(args):
             if args.kill:
                 os.kill(os.getpid(), 9)
             time.sleep(args.timeout + 4)
+        if rank == args.late and step == 1:
+            time.sleep(args.timeout / 3)  # late, but well within the timeout: must not be named
 
     started = time.monotonic()
     try:
@@ -353,6 +355,7 @@ def main():
     parser.add_argument("--timeout", type=float, default=10.0)
     parser.add_argument("--kill", action="store_true")
     parser.add_argument("--victim", type=int, default=1, help="fence_timeout: the rank that is late or dies")
+    parser.add_argument("--late", type=int, default=-1, help="fence_timeout: a rank that arrives late but in time")
     parser.add_argument("--shard-size", type=int, default=0, help="zero_optimization.odc.shard_size (0: unset)")
     parser.add_argument("--fault", choices=["kill-push", "kill-fetch", "stop"], default="kill-push")
     parser.add_argument("--bf16", action="store_true")
