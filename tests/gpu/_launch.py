@@ -44,14 +44,22 @@ def bringup_collided(log: str) -> bool:
     return any(sign in log for sign in BRINGUP_COLLISION)
 
 
+# The test now running (set by tests/gpu/conftest.py): what its ranks report is attached to its report, so the
+# measured numbers show at the end of the session and in --junitxml, not only the verdict.
+RUNNING_TEST: list = []
+
+
 def retried(run, log_of, what: str):
     """Run ``run()``; if its log shows an NVSHMEM bring-up collision, warn and run it once more."""
-    first = run()
-    if not bringup_collided(log_of(first)):
-        return first
-    import warnings
-    warnings.warn(f"NVSHMEM bring-up of {what} collided with a concurrent job; launched again")
-    return run()
+    result = run()
+    if bringup_collided(log_of(result)):
+        import warnings
+        warnings.warn(f"NVSHMEM bring-up of {what} collided with a concurrent job; launched again")
+        result = run()
+    reported = getattr(result, "results", None)  # a launch's rank reports (a plain subprocess run has none)
+    if RUNNING_TEST and reported:
+        RUNNING_TEST[-1].user_properties.append(("measured", json.dumps(reported, default=str)))
+    return result
 
 
 def launch_gpu(script, nproc: int, args=(), timeout: float = 420, env: dict | None = None):

@@ -61,11 +61,13 @@ def _sft(nproc: int, tmp_path) -> tuple[list[float], dict]:
 
 @pytest.mark.xdist_group("sft-example")
 @pytest.mark.parametrize("nproc", rank_params(2, 3))
-def test_sft_example_matches_one_rank(nvshmem_op, nproc, tmp_path):
+def test_sft_example_matches_one_rank(nvshmem_op, nproc, tmp_path, record_property):
     one, _ = _sft(1, tmp_path)
     many, run = _sft(nproc, tmp_path)
     assert len(one) == len(many) == 3
     worst = max(abs(a - b) / abs(b) for a, b in zip(many, one))
+    record_property("measured", json.dumps({"loss_rel_diff": worst, "microbatches": [
+        [r["microbatches"] for r in step["per_rank"]] for step in run["steps"]]}))
     assert worst <= SFT_LOSS_TOL, (many, one)
     assert one[-1] < one[0], one  # it trained
     counts = [[r["microbatches"] for r in step["per_rank"]] for step in run["steps"]]
