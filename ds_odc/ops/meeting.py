@@ -6,7 +6,9 @@ connection at once); *who* is missing comes from an arrival count each rank post
 by the group's first rank before it waits, so the error names ranks exactly rather than from gloo's message text.
 A meeting that lasts a while reads those counts now and then as it waits: when the first rank, having found a rank
 missing, raises and exits, the store goes with it, and the others must still name the rank that never came, not
-the one that left last.
+the one that left last. Each rank also posts a pulse (a counter a background thread advances) so that, when a dead
+peer's closed connection fails the barrier at once, a rank still on its way (pulse advancing) is told from one that
+is gone or stopped (pulse still), without waiting out the timeout.
 """
 
 from __future__ import annotations
@@ -26,6 +28,8 @@ __all__ = ["Meeting", "control_group"]
 _STORE_REPLY_S = 5.0  # how long the post-mortem may wait for the store when a meeting has already failed
 _WATCH_AFTER_S = 1.0  # a meeting still waiting after this long starts reading who has arrived
 _WATCH_EVERY_S = 0.5
+_PULSE_EVERY_S = 0.5
+_STILL_AFTER_S = 3.0  # a pulse that has not moved for this long: the rank is dead or stopped
 
 
 def control_group(process_group=None):
@@ -68,6 +72,8 @@ class Meeting:
         self.timeout_s = timeout_s
         self.arrivals = 0
         self.store = self._open_store()
+        if self.store is not None:
+            _Pulse(self.store, self._pulse_key(self.rank))
 
     def _open_store(self):
         """A TCP store on the group's first rank, where each rank posts how many meetings it has reached. Optional: if
@@ -90,6 +96,7 @@ class Meeting:
                 host, port = where[0]
                 store = dist.TCPStore(host, port, None, False, timedelta(seconds=self.timeout_s))
             store.set(self._key(self.rank), "0")
+            store.set(self._pulse_key(self.rank), "0")
         except Exception:  # noqa: BLE001
             store = None
         ok = [store is not None]
@@ -100,6 +107,10 @@ class Meeting:
     @staticmethod
     def _key(rank: int) -> str:
         return f"ds_odc/arrived/{rank}"
+
+    @staticmethod
+    def _pulse_key(rank: int) -> str:
+        return f"ds_odc/pulse/{rank}"
 
     def __call__(self, what: str, timeout_s: float | None = None) -> None:
         """Wait until every rank has arrived at this meeting, or raise :class:`FenceTimeout` naming the others."""
@@ -133,10 +144,11 @@ class Meeting:
         """Ranks (of the job) whose posted arrival count is behind this rank's (empty when that cannot be told).
         When the store no longer answers, the counts ``seen`` while waiting tell; without them, the store's host is
         named. ``until`` (a ``time.monotonic()`` deadline): a barrier fails at once when a peer's connection closes,
-        while a live rank may still be on its way; ranks behind are re-read until they have all come or the meeting's
-        timeout is over, so only those that never came within it are named."""
+        while a live rank may still be on its way; ranks behind are re-read until each has come or its pulse has
+        stood still for a few seconds, or the meeting's timeout is over, so a rank that is merely late is not named."""
         if self.store is None:
             return []
+        pulses: dict[int, tuple[str, float]] = {}  # rank -> (last pulse read, when it last moved)
         while True:
             try:
                 counts = self.counts(reply_s=_STORE_REPLY_S)
@@ -144,12 +156,42 @@ class Meeting:
                 if seen is None:
                     return [self.job_ranks[0]] if self.rank != 0 else []
                 counts, until = seen, None
-            behind = [self.job_ranks[r] for r in range(self.world_size)
-                      if r != self.rank and counts.get(r, 0) < self.arrivals]
-            if not behind or until is None or time.monotonic() >= until:
-                return behind
+            behind = [r for r in range(self.world_size) if r != self.rank and counts.get(r, 0) < self.arrivals]
+            if not behind or until is None or time.monotonic() >= until or self._all_still(behind, pulses):
+                return [self.job_ranks[r] for r in behind]
             seen = counts
             time.sleep(_WATCH_EVERY_S)
+
+    def _all_still(self, ranks: list[int], pulses: dict[int, tuple[str, float]]) -> bool:
+        """Whether none of ``ranks`` has moved its pulse for ``_STILL_AFTER_S`` (``pulses`` keeps what was read)."""
+        now = time.monotonic()
+        try:
+            for r in ranks:
+                beat = self.store.get(self._pulse_key(r)).decode()
+                if r not in pulses or pulses[r][0] != beat:
+                    pulses[r] = (beat, now)
+        except Exception:  # noqa: BLE001 - the store stopped answering: the next count read says so
+            return False
+        return all(now - pulses[r][1] >= _STILL_AFTER_S for r in ranks)
+
+
+class _Pulse:
+    """Advances this rank's pulse in the meeting's store while the process runs (a daemon thread: it stops with the
+    process, or when the store stops answering)."""
+
+    def __init__(self, store, key: str):
+        self.store, self.key = store, key
+        threading.Thread(target=self._run, name="ds_odc-pulse", daemon=True).start()
+
+    def _run(self) -> None:
+        beat = 0
+        while True:
+            time.sleep(_PULSE_EVERY_S)
+            beat += 1
+            try:
+                self.store.set(self.key, str(beat))
+            except Exception:  # noqa: BLE001 - the store's host has gone: nobody is left to read the pulse
+                return
 
 
 class _Watch:
