@@ -73,7 +73,8 @@ class Meeting:
         self.arrivals = 0
         self.store = self._open_store()
         if self.store is not None:
-            _Pulse(self.store, self._pulse_key(self.rank))
+            threading.Thread(target=_advance_pulse, args=(self.store, self._pulse_key(self.rank)), name="ds_odc-pulse",
+                             daemon=True).start()
 
     def _open_store(self):
         """A TCP store on the group's first rank, where each rank posts how many meetings it has reached. Optional: if
@@ -175,23 +176,17 @@ class Meeting:
         return all(now - pulses[r][1] >= _STILL_AFTER_S for r in ranks)
 
 
-class _Pulse:
-    """Advances this rank's pulse in the meeting's store while the process runs (a daemon thread: it stops with the
-    process, or when the store stops answering)."""
-
-    def __init__(self, store, key: str):
-        self.store, self.key = store, key
-        threading.Thread(target=self._run, name="ds_odc-pulse", daemon=True).start()
-
-    def _run(self) -> None:
-        beat = 0
-        while True:
-            time.sleep(_PULSE_EVERY_S)
-            beat += 1
-            try:
-                self.store.set(self.key, str(beat))
-            except Exception:  # noqa: BLE001 - the store's host has gone: nobody is left to read the pulse
-                return
+def _advance_pulse(store, key: str) -> None:
+    """Advance this rank's pulse in a meeting's store, in a daemon thread: it stops with the process, or when the
+    store stops answering (its host has gone, and nobody is left to read the pulse)."""
+    beat = 0
+    while True:
+        time.sleep(_PULSE_EVERY_S)
+        beat += 1
+        try:
+            store.set(key, str(beat))
+        except Exception:  # noqa: BLE001
+            return
 
 
 class _Watch:
