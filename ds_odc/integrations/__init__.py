@@ -4,8 +4,8 @@
 ``OdcSFTTrainer`` (TRL's ``SFTTrainer`` on top of ``OdcTrainer``), ``OdcGRPOTrainer`` (TRL's ``GRPOTrainer`` with
 lockstep-free generation and LB-Mini over rollouts, docs/RL.md) and
 ``lockstep_free`` (generation under ZeRO-3 + ODC without collectives); ``match_accelerate_backend(args)`` lets a
-stock trainer gather over gloo when several ranks share one GPU (ds_odc's trainers do it themselves). Imported lazily so ``import ds_odc`` never
-pulls in transformers or TRL.
+stock trainer gather over gloo when several ranks share one GPU (ds_odc's trainers do it themselves). Imported
+lazily so ``import ds_odc`` never pulls in transformers or TRL.
 """
 
 from __future__ import annotations
