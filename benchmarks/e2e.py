@@ -32,6 +32,7 @@ import argparse
 import json
 import os
 import subprocess
+import tempfile
 import sys
 import time
 from pathlib import Path
@@ -133,9 +134,10 @@ def run(mode: str, args, lengths: Path, out: Path) -> dict:
         cmd += ["--max-tokens", str(max(2, round(65536 * args.scale)))]
     log = out / f"{args.model}-{args.workload}-{slug}.log"
     started = time.monotonic()
-    with open(log, "w") as f:
+    # TMPDIR: torchrun's log folder goes into a temporary folder of this launch, removed afterwards
+    with open(log, "w") as f, tempfile.TemporaryDirectory(prefix="ds_odc_e2e_") as scratch:
         proc = subprocess.run(cmd, stdout=f, stderr=subprocess.STDOUT, timeout=args.run_timeout,
-                              env=dict(os.environ, PYTHONPATH=os.pathsep.join(
+                              env=dict(os.environ, TMPDIR=scratch, PYTHONPATH=os.pathsep.join(
                                   p for p in [str(ROOT), os.environ.get("PYTHONPATH", "")] if p)))
     if proc.returncode != 0 or not metrics.exists():
         tail = log.read_text()[-2500:]

@@ -29,6 +29,7 @@ import contextlib
 import json
 import os
 import subprocess
+import tempfile
 import sys
 import time
 from pathlib import Path
@@ -196,7 +197,9 @@ def orchestrate(args) -> int:
                "--worker", mode, *passthrough]
         started = time.perf_counter()
         try:
-            proc = subprocess.run(cmd, capture_output=True, text=True, timeout=args.mode_timeout, env=env)
+            with tempfile.TemporaryDirectory(prefix="ds_odc_bench_") as scratch:  # torchrun's log folder
+                proc = subprocess.run(cmd, capture_output=True, text=True, timeout=args.mode_timeout,
+                                      env={**env, "TMPDIR": scratch})
             ok = proc.returncode == 0 and (out / f"{mode}.json").exists()
             tail = (proc.stdout + proc.stderr)[-3000:]
         except subprocess.TimeoutExpired:

@@ -33,6 +33,7 @@ import json
 import os
 import shutil
 import subprocess
+import tempfile
 import sys
 import time
 from pathlib import Path
@@ -275,7 +276,9 @@ def orchestrate(args) -> int:
                __file__, "--worker", mode, *_worker_args(args)]
         started = time.perf_counter()
         try:
-            proc = subprocess.run(cmd, capture_output=True, text=True, timeout=args.mode_timeout, env=env)
+            with tempfile.TemporaryDirectory(prefix="ds_odc_bench_") as scratch:  # torchrun's log folder
+                proc = subprocess.run(cmd, capture_output=True, text=True, timeout=args.mode_timeout,
+                                      env={**env, "TMPDIR": scratch})
             ok = proc.returncode == 0 and (out / f"{mode}.json").exists()
             tail = (proc.stdout + proc.stderr)[-4000:]
         except subprocess.TimeoutExpired:

@@ -90,8 +90,9 @@ def launch(args, result: Path) -> dict:
     for flag in ("steps", "warmup_steps", "minibatch_size", "preset", "length_scale", "max_tokens", "cost", "seed"):
         if getattr(args, flag) is not None:
             cmd += [f"--{flag.replace('_', '-')}", str(getattr(args, flag))]
+    # TMPDIR: torchrun's log folder goes into the run's temporary folder, removed with it
     env = dict(os.environ, OMP_NUM_THREADS="1", GLOO_SOCKET_IFNAME="lo", MASTER_ADDR="127.0.0.1",
-               DS_ACCELERATOR="cpu", PYTHONWARNINGS="ignore",
+               DS_ACCELERATOR="cpu", PYTHONWARNINGS="ignore", TMPDIR=str(result.parent),
                PYTHONPATH=os.pathsep.join(p for p in [str(ROOT), os.environ.get("PYTHONPATH", "")] if p))
     proc = subprocess.run(cmd, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
                           timeout=args.timeout)
