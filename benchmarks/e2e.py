@@ -32,8 +32,8 @@ import argparse
 import json
 import os
 import subprocess
-import tempfile
 import sys
+import tempfile
 import time
 from pathlib import Path
 

@@ -29,8 +29,8 @@ import contextlib
 import json
 import os
 import subprocess
-import tempfile
 import sys
+import tempfile
 import time
 from pathlib import Path
 

@@ -33,8 +33,8 @@ import json
 import os
 import shutil
 import subprocess
-import tempfile
 import sys
+import tempfile
 import time
 from pathlib import Path
 
