@@ -130,6 +130,7 @@ def run(mode: str, args, lengths: Path, out: Path) -> dict:
         cmd += ["--sdpa-backends", args.sdpa_backends]
     if args.profile:
         cmd += ["--profile-step", str(args.steps), "--profile-dir", str(out / f"profile-{args.model}-{slug}")]
+        cmd += ["--profile-python"] if args.profile_python else []
     if packed:
         cmd += ["--max-tokens", str(max(2, round(65536 * args.scale)))]
     log = out / f"{args.model}-{args.workload}-{slug}.log"
@@ -173,6 +174,8 @@ def main():
     p.add_argument("--sdpa-backends", help="passed to every mode (examples/sft.py --sdpa-backends)")
     p.add_argument("--profile", action="store_true",
                    help="run one more minibatch under the torch profiler (not timed): host vs device time per layer")
+    p.add_argument("--profile-python", action="store_true",
+                   help="with --profile: record Python calls too, and list those that ran while the GPU idled")
     p.add_argument("--scale", type=float, default=1.0, help="scale all lengths (CPU smoke runs with --model tiny)")
     args = p.parse_args()
     packed_table = args.workload == "longtail-packed"
@@ -216,6 +219,11 @@ def main():
             print(f"{mode:<28}{prof['wall_s']:>8.2f}{prof['device_busy_s']:>9.2f}{busy:>7.0%}{'':>22}"
                   f"{prof.get('layer_forward_calls', 0):>6}{prof.get('layer_forward_host_ms', 0):>9.2f}"
                   f"{prof.get('layer_forward_device_ms', 0):>12.2f}{prof.get('layer_forward_device_span_ms', 0):>12.2f}")
+        for mode, prof in profiled.items():
+            print(f"\n{mode}: device idle {prof['device_idle_s'] * 1e3:.0f} ms; host events running meanwhile "
+                  "(innermost, per thread):")
+            for name, seconds in prof.get("idle_host", [])[:10]:
+                print(f"  {seconds * 1e3:8.1f} ms  {name[:110]}")
     (out / f"{args.model}-{args.workload}.json").write_text(json.dumps(results, indent=1))
 
 

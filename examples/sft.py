@@ -119,7 +119,8 @@ def train(args) -> dict | None:
     for step, batch in zip(range(steps), sampler):
         split_samples += len(batch.splits)
         weight = global_mean_weight(batch.num_label_tokens, world)
-        profiling = (profile_step(args.profile_dir, rank, decoder_layers(model))
+        profiling = (profile_step(args.profile_dir, rank, decoder_layers(model),
+                                   python_stacks=args.profile_python)
                      if step == args.profile_step else contextlib.nullcontext())
         clock.start()
         loss_share = 0.0

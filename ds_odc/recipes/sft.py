@@ -85,6 +85,8 @@ def sft_argument_parser(description: str | None = None, deepspeed_config: bool =
     p.add_argument("--profile-step", type=int, default=None,
                    help="profile this step (torch profiler): host vs device time, top ops, Chrome trace")
     p.add_argument("--profile-dir", default="profile", help="where --profile-step writes its files")
+    p.add_argument("--profile-python", action="store_true",
+                   help="--profile-step records Python calls too, to say which ones ran while the GPU idled")
     p.add_argument("--timeline", help="draw per-rank busy/wait bars of the last steps to this PNG")
     p.add_argument("--quiet", action="store_true", help="no progress bar and no summary lines")
     p.add_argument("--shared-gpu", action="store_true",

@@ -6,7 +6,9 @@ time (union of kernel and copy intervals) and its idle time (wall minus busy: th
 Given the decoder layers, it also times every layer call from before its first forward pre-hook (so ZeRO's parameter
 fetch is inside) to after its last post-hook (the release too): host time, measured per thread, against the GPU
 span of that range and the GPU's busy time inside the span (from the trace). A layer whose host time reaches its GPU
-span keeps the GPU waiting. It writes the top ops and a Chrome trace per rank.
+span keeps the GPU waiting. And it says what the host was doing while the GPU idled: every moment of device idle time
+is charged to the innermost host event then running on each thread (an op, a CUDA call, a ``record_function`` range
+or, with ``python_stacks``, a Python function). It writes the top ops and a Chrome trace per rank.
 """
 
 from __future__ import annotations
@@ -24,6 +26,7 @@ from ds_odc.training.metrics import device_sync
 __all__ = ["profile_step", "describe", "decoder_layers", "LAYER_RANGE"]
 
 LAYER_RANGE = "ds_odc.layer_forward"
+IDLE_TOP = 15  # host events listed against the device's idle time
 
 
 def decoder_layers(model: torch.nn.Module) -> list[torch.nn.Module]:
@@ -65,8 +68,10 @@ def _layer_ranges(layers: Sequence[torch.nn.Module], host_seconds: list[float]):
 
 
 @contextlib.contextmanager
-def profile_step(out_dir: str | Path, rank: int, layers: Sequence[torch.nn.Module] = (), top: int = 25):
-    """Profile the enclosed code; the yielded dict is filled with the summary on exit."""
+def profile_step(out_dir: str | Path, rank: int, layers: Sequence[torch.nn.Module] = (), top: int = 25,
+                 python_stacks: bool = False):
+    """Profile the enclosed code; the yielded dict is filled with the summary on exit. ``python_stacks`` records
+    Python calls too (slower host: for finding where the host time goes, not for timing)."""
     from torch.profiler import ProfilerActivity, profile
 
     out = Path(out_dir)
@@ -76,7 +81,8 @@ def profile_step(out_dir: str | Path, rank: int, layers: Sequence[torch.nn.Modul
     summary: dict = {}
     layer_host: list[float] = []
     device_sync()
-    with profile(activities=activities, record_shapes=False) as prof, _layer_ranges(layers, layer_host):
+    with (profile(activities=activities, record_shapes=False, with_stack=python_stacks) as prof,
+          _layer_ranges(layers, layer_host)):
         started = time.perf_counter()
         yield summary
         device_sync()
@@ -92,13 +98,15 @@ def profile_step(out_dir: str | Path, rank: int, layers: Sequence[torch.nn.Modul
         summary.update(layer_forward_calls=len(layer_host),
                        layer_forward_host_ms=sum(layer_host) / len(layer_host) * 1e3)
     sort_by = "self_cuda_time_total" if cuda else "self_cpu_time_total"
+    idle = "\n".join(f"{seconds * 1e3:10.1f} ms  {name}" for name, seconds in summary["idle_host"])
     (out / f"profile_rank{rank}.txt").write_text(
-        f"{summary}\n\n"
+        f"{summary}\n\ndevice idle, by the host event running meanwhile (innermost, per thread):\n{idle}\n\n"
         + events.table(sort_by="self_cpu_time_total", row_limit=top)
         + ("\n\n" + events.table(sort_by=sort_by, row_limit=top) if cuda else ""))
 
 
 _DEVICE_CATEGORIES = ("kernel", "gpu_memcpy", "gpu_memset")
+_HOST_CATEGORIES = ("cpu_op", "user_annotation", "python_function", "cuda_runtime", "cuda_driver")
 
 
 def _union(intervals: list[tuple[float, float]]) -> list[tuple[float, float]]:
@@ -115,12 +123,75 @@ def _covered(merged: list[tuple[float, float]], start: float, end: float) -> flo
     return sum(max(0.0, min(b, end) - max(a, start)) for a, b in merged)
 
 
+def _innermost(events: list[tuple[float, float, str]]) -> list[tuple[float, float, str]]:
+    """One thread's nested events -> the intervals where each is the innermost one running (its self time)."""
+    segments, stack, cursor = [], [], 0.0
+    for start, end, name in sorted(events, key=lambda e: (e[0], -e[1])):
+        while stack and stack[-1][1] <= start:
+            _, top_end, top_name = stack.pop()
+            segments.append((cursor, top_end, top_name))
+            cursor = top_end
+        if stack:
+            segments.append((cursor, start, stack[-1][2]))
+            end = min(end, stack[-1][1])
+        stack.append((start, end, name))
+        cursor = start
+    while stack:
+        _, top_end, top_name = stack.pop()
+        segments.append((cursor, top_end, top_name))
+        cursor = top_end
+    return [s for s in segments if s[1] > s[0]]
+
+
+def _short(name: str) -> str:
+    """``/long/path/site-packages/deepspeed/x.py(12): f`` -> ``deepspeed/x.py(12): f``."""
+    for root in ("site-packages/", "dist-packages/"):
+        if root in name:
+            return name.split(root, 1)[1]
+    return name
+
+
+def _idle_host(events: list[dict], device: list[tuple[float, float]]) -> list[tuple[str, float]]:
+    """Device idle time (in the host events' extent) charged to the innermost host event on each thread."""
+    host = [e for e in events if e.get("cat") in _HOST_CATEGORIES]
+    if not host:
+        return []
+    first, last = min(e["ts"] for e in host), max(e["ts"] + e["dur"] for e in host)
+    idle, cursor = [], first
+    for a, b in device:
+        if a > cursor:
+            idle.append((cursor, min(a, last)))
+        cursor = max(cursor, b)
+    if cursor < last:
+        idle.append((cursor, last))
+    threads: dict = {}
+    for e in host:
+        threads.setdefault((e.get("pid"), e.get("tid")), []).append((e["ts"], e["ts"] + e["dur"], e.get("name", "?")))
+    # Threads that ran no op and no CUDA call (a Python thread sleeping in a loop, say) did no work for the GPU.
+    working = {(e.get("pid"), e.get("tid")) for e in host if e.get("cat") != "python_function"}
+    charged: dict[str, float] = {}
+    for n, key in enumerate(sorted(working, key=lambda k: -len(threads[k]))):
+        label = "" if n == 0 else f"[thread {n}] "
+        gap = 0
+        for start, end, name in _innermost(threads[key]):
+            while gap < len(idle) and idle[gap][1] <= start:
+                gap += 1
+            g = gap
+            while g < len(idle) and idle[g][0] < end:
+                overlap = min(end, idle[g][1]) - max(start, idle[g][0])
+                if overlap > 0:
+                    charged[label + _short(name)] = charged.get(label + _short(name), 0.0) + overlap / 1e6
+                g += 1
+    return sorted(charged.items(), key=lambda kv: -kv[1])[:IDLE_TOP]
+
+
 def _timeline(trace_events: list) -> dict:
     """From the Chrome trace (times in us): device busy time (kernels, copies, memsets on any stream, overlaps counted
-    once) and, per layer forward, the range's device span and the device's busy time inside it."""
-    events = [e for e in trace_events if isinstance(e, dict) and "dur" in e]
+    once), what the host did while the device idled, and, per layer forward, the range's device span and the device's
+    busy time inside it."""
+    events = [e for e in trace_events if isinstance(e, dict) and "dur" in e and "ts" in e]
     device = _union([(e["ts"], e["ts"] + e["dur"]) for e in events if e.get("cat") in _DEVICE_CATEGORIES])
-    result = {"device_busy_s": sum(b - a for a, b in device) / 1e6}
+    result = {"device_busy_s": sum(b - a for a, b in device) / 1e6, "idle_host": _idle_host(events, device)}
     spans = [(e["ts"], e["ts"] + e["dur"]) for e in events
              if e.get("cat") == "gpu_user_annotation" and e.get("name") == LAYER_RANGE]
     if spans:

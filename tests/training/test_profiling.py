@@ -33,3 +33,21 @@ def test_timeline_counts_overlapping_device_work_once_and_splits_it_by_layer():
     t = _timeline(trace)
     assert abs(t["device_busy_s"] - 200e-6) < 1e-12
     assert t["layer_forward_device_span_ms"] == 0.4 and abs(t["layer_forward_device_ms"] - 0.2) < 1e-12
+
+
+def test_device_idle_time_is_charged_to_the_innermost_host_event():
+    from ds_odc.training.profiling import _timeline
+    trace = [
+        {"cat": "kernel", "ts": 0, "dur": 10}, {"cat": "kernel", "ts": 50, "dur": 50},  # idle 10-50 and 100-120
+        {"cat": "python_function", "name": "/x/site-packages/deepspeed/hooks.py(3): fetch", "ts": 0, "dur": 120,
+         "pid": 1, "tid": 1},
+        {"cat": "cuda_runtime", "name": "cudaEventSynchronize", "ts": 20, "dur": 20, "pid": 1, "tid": 1},
+        {"cat": "cpu_op", "name": "aten::mm", "ts": 105, "dur": 5, "pid": 1, "tid": 1},
+        {"cat": "cpu_op", "name": "autograd::engine", "ts": 30, "dur": 40, "pid": 1, "tid": 2},
+    ]
+    idle = dict(_timeline(trace)["idle_host"])
+    # thread 1, idle parts: fetch's own time 10-20, 40-50, 100-105, 110-120; the sync 20-40; mm 105-110
+    expected = {"deepspeed/hooks.py(3): fetch": 35e-6, "cudaEventSynchronize": 20e-6, "aten::mm": 5e-6,
+                "[thread 1] autograd::engine": 20e-6}
+    assert idle.keys() == expected.keys()
+    assert all(abs(idle[k] - v) < 1e-12 for k, v in expected.items()), idle
