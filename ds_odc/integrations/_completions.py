@@ -75,7 +75,9 @@ def _config_of(model):
 def packed_attention(model):
     """Attention of ``model`` is ``ds_odc_varlen`` inside the block (the rows are packed) where it is ``sdpa`` or
     ``eager``, whose packed rows would need a dense mask; outside, what it was (generation runs the same model on
-    padded batches). Flash attention reads the boundaries itself and is left alone."""
+    padded batches). Flash attention reads the boundaries itself and is left alone. A forward whose backward recomputes
+    layers (gradient checkpointing) must run its backward inside the block too, or the recomputation attends across
+    documents."""
     config = _config_of(model)
     current = getattr(config, "_attn_implementation", None)
     if current not in ("sdpa", "eager"):

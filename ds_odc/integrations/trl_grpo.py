@@ -28,6 +28,7 @@ relies on (``_generate_single_turn``, ``_generate_and_score_completions``, ``_ge
 
 from __future__ import annotations
 
+import contextlib
 import time
 from collections import deque
 from typing import Any
@@ -42,7 +43,7 @@ from ds_odc.balancer.autocost import AutoCost, rank_rows
 from ds_odc.balancer.cost import get_cost_model
 from ds_odc.balancer.sampler import auto_cost_prior
 from ds_odc.integrations import _rollout as rollout
-from ds_odc.integrations._completions import pack_completions, score_completions
+from ds_odc.integrations._completions import pack_completions, packed_attention, score_completions
 from ds_odc.integrations._hf_privates import (TRL_GRPO_PRIVATES, check_trl, check_trl_instance, match_accelerate_backend,
                                               rank_local_collectives)
 from ds_odc.integrations._metrics import BalanceMeter
@@ -215,9 +216,11 @@ class OdcGRPOTrainer(OdcStep, GRPOTrainer):
         metrics = SlotMetrics()
 
         def train_one(ids):
-            with self.compute_loss_context_manager():
-                loss = self._odc_microbatch_loss(model, plan, [samples[g] for g in ids], metrics)
-            self.accelerator.backward(loss, scale_wrt_gas=False)
+            # Packed attention through the backward too: gradient checkpointing runs each layer's forward again there
+            with packed_attention(model) if self.odc_padding_free else contextlib.nullcontext():
+                with self.compute_loss_context_manager():
+                    loss = self._odc_microbatch_loss(model, plan, [samples[g] for g in ids], metrics)
+                self.accelerator.backward(loss, scale_wrt_gas=False)
             return loss.detach()
 
         logged = self._metrics["train"]

@@ -113,6 +113,8 @@ HARD = {"beta": 0.05, "num_iterations": 2, "steps_per_generation": 4, "max_steps
 RATES = {"luspo": 0.015, "dr_grpo": 1.5, "cispo": 1.5, "sapo": 0.15}
 CASES = {name: {"loss_type": name, **HARD, "learning_rate": RATES.get(name, 0.3)}
          for name in ("grpo", "dapo", "bnpo", "dr_grpo", "luspo", "sapo", "cispo", "vespo")}
+# Gradient checkpointing: the backward recomputes every layer's forward, packed rows included.
+CASES["checkpointing"] = {**CASES["dapo"], "gradient_checkpointing": True}
 
 
 def scenario_equivalence(args):

@@ -109,3 +109,10 @@ def test_resume_plans_and_trains_as_the_uninterrupted_run(two_ranks):
     full, resumed = out["plans"]
     assert resumed[0] == full[4], (resumed[0], full[4])  # step 5 planned with the checkpoint's fitted cost
     assert out["loss_diff"] <= 1e-6 and out["param_diff"] <= 1e-6, out
+
+
+@pytest.mark.parametrize("variant", ["packed", "padded"])
+def test_gradient_checkpointing_recomputes_what_the_forward_ran(two_ranks, variant):
+    # The backward recomputes each layer: on packed rows, with the packed attention (else the counts of saved tensors
+    # differ and torch refuses, or the recomputation attends across documents).
+    check_case(two_ranks["cases"]["checkpointing"], variant)
