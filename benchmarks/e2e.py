@@ -224,6 +224,10 @@ def main():
                   "(innermost, per thread):")
             for name, seconds in prof.get("idle_host", [])[:10]:
                 print(f"  {seconds * 1e3:8.1f} ms  {name[:110]}")
+            if prof.get("idle_python"):
+                print("  ... and by the training code's innermost Python frame:")
+                for name, seconds in prof["idle_python"][:10]:
+                    print(f"  {seconds * 1e3:8.1f} ms  {name[:110]}")
     (out / f"{args.model}-{args.workload}.json").write_text(json.dumps(results, indent=1))
 
 

@@ -8,7 +8,9 @@ fetch is inside) to after its last post-hook (the release too): host time, measu
 span of that range and the GPU's busy time inside the span (from the trace). A layer whose host time reaches its GPU
 span keeps the GPU waiting. And it says what the host was doing while the GPU idled: every moment of device idle time
 is charged to the innermost host event then running on each thread (an op, a CUDA call, a ``record_function`` range
-or, with ``python_stacks``, a Python function). It writes the top ops and a Chrome trace per rank.
+or, with ``python_stacks``, a Python function), and, with ``python_stacks``, to the innermost Python frame of the
+training code (DeepSpeed, ds_odc, transformers, TRL, the script): where a fix would go. It writes the top ops and a
+Chrome trace per rank.
 """
 
 from __future__ import annotations
@@ -99,8 +101,11 @@ def profile_step(out_dir: str | Path, rank: int, layers: Sequence[torch.nn.Modul
                        layer_forward_host_ms=sum(layer_host) / len(layer_host) * 1e3)
     sort_by = "self_cuda_time_total" if cuda else "self_cpu_time_total"
     idle = "\n".join(f"{seconds * 1e3:10.1f} ms  {name}" for name, seconds in summary["idle_host"])
+    frames = "\n".join(f"{seconds * 1e3:10.1f} ms  {name}" for name, seconds in summary["idle_python"])
     (out / f"profile_rank{rank}.txt").write_text(
         f"{summary}\n\ndevice idle, by the host event running meanwhile (innermost, per thread):\n{idle}\n\n"
+        f"device idle, by the training code's Python frame running meanwhile (innermost, per thread; "
+        f"with python_stacks):\n{frames}\n\n"
         + events.table(sort_by="self_cpu_time_total", row_limit=top)
         + ("\n\n" + events.table(sort_by=sort_by, row_limit=top) if cuda else ""))
 
@@ -151,11 +156,8 @@ def _short(name: str) -> str:
     return name
 
 
-def _idle_host(events: list[dict], device: list[tuple[float, float]]) -> list[tuple[str, float]]:
-    """Device idle time (in the host events' extent) charged to the innermost host event on each thread."""
-    host = [e for e in events if e.get("cat") in _HOST_CATEGORIES]
-    if not host:
-        return []
+def _idle_gaps(host: list[dict], device: list[tuple[float, float]]) -> list[tuple[float, float]]:
+    """The device's idle intervals within the host events' extent."""
     first, last = min(e["ts"] for e in host), max(e["ts"] + e["dur"] for e in host)
     idle, cursor = [], first
     for a, b in device:
@@ -164,13 +166,13 @@ def _idle_host(events: list[dict], device: list[tuple[float, float]]) -> list[tu
         cursor = max(cursor, b)
     if cursor < last:
         idle.append((cursor, last))
-    threads: dict = {}
-    for e in host:
-        threads.setdefault((e.get("pid"), e.get("tid")), []).append((e["ts"], e["ts"] + e["dur"], e.get("name", "?")))
-    # Threads that ran no op and no CUDA call (a Python thread sleeping in a loop, say) did no work for the GPU.
-    working = {(e.get("pid"), e.get("tid")) for e in host if e.get("cat") != "python_function"}
+    return idle
+
+
+def _charge(threads: dict, idle: list[tuple[float, float]]) -> list[tuple[str, float]]:
+    """Idle time charged to each thread's innermost event (the busiest thread unlabelled, the others numbered)."""
     charged: dict[str, float] = {}
-    for n, key in enumerate(sorted(working, key=lambda k: -len(threads[k]))):
+    for n, key in enumerate(sorted(threads, key=lambda k: -len(threads[k]))):
         label = "" if n == 0 else f"[thread {n}] "
         gap = 0
         for start, end, name in _innermost(threads[key]):
@@ -185,13 +187,38 @@ def _idle_host(events: list[dict], device: list[tuple[float, float]]) -> list[tu
     return sorted(charged.items(), key=lambda kv: -kv[1])[:IDLE_TOP]
 
 
+# Python frames of the training code, as opposed to torch's and the standard library's: where a fix would go.
+_TRAINING_CODE = ("deepspeed/", "ds_odc/", "transformers/", "trl/", "accelerate/", "examples/", "benchmarks/")
+
+
+def _idle_host(events: list[dict], device: list[tuple[float, float]]) -> dict[str, list[tuple[str, float]]]:
+    """Device idle time charged, per thread, to the innermost host event (``idle_host``) and to the innermost Python
+    frame of the training code (``idle_python``; empty without Python stacks)."""
+    host = [e for e in events if e.get("cat") in _HOST_CATEGORIES]
+    if not host:
+        return {"idle_host": [], "idle_python": []}
+    idle = _idle_gaps(host, device)
+    # Threads that ran no op and no CUDA call (a Python thread sleeping in a loop, say) did no work for the GPU.
+    working = {(e.get("pid"), e.get("tid")) for e in host if e.get("cat") != "python_function"}
+    every, frames = {}, {}
+    for e in host:
+        key = (e.get("pid"), e.get("tid"))
+        if key not in working:
+            continue
+        event = (e["ts"], e["ts"] + e["dur"], e.get("name", "?"))
+        every.setdefault(key, []).append(event)
+        if e.get("cat") == "python_function" and any(root in event[2] for root in _TRAINING_CODE):
+            frames.setdefault(key, []).append(event)
+    return {"idle_host": _charge(every, idle), "idle_python": _charge(frames, idle)}
+
+
 def _timeline(trace_events: list) -> dict:
     """From the Chrome trace (times in us): device busy time (kernels, copies, memsets on any stream, overlaps counted
     once), what the host did while the device idled, and, per layer forward, the range's device span and the device's
     busy time inside it."""
     events = [e for e in trace_events if isinstance(e, dict) and "dur" in e and "ts" in e]
     device = _union([(e["ts"], e["ts"] + e["dur"]) for e in events if e.get("cat") in _DEVICE_CATEGORIES])
-    result = {"device_busy_s": sum(b - a for a, b in device) / 1e6, "idle_host": _idle_host(events, device)}
+    result = {"device_busy_s": sum(b - a for a, b in device) / 1e6, **_idle_host(events, device)}
     spans = [(e["ts"], e["ts"] + e["dur"]) for e in events
              if e.get("cat") == "gpu_user_annotation" and e.get("name") == LAYER_RANGE]
     if spans:
