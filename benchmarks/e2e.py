@@ -24,6 +24,14 @@ The packed table on one GPU (ODC packed vs unpacked vs FSDP2 vs plain; cuDNN's s
 per-layer host time):
 
     python benchmarks/e2e.py --nproc 1 --workload longtail-packed --profile --out results/
+
+On a shared or noisy machine, ``--repeat N`` runs the mode list N times in rounds (A B C A B C ...): the table shows
+each mode's median run, and each ratio is the median of the ratios within a round. A mode ending in ``@DIR`` runs
+from another checkout of this repository (e.g. ``odc+lb-mini@../before``): a code change measured against the code
+before it, alternating in one call:
+
+    python benchmarks/e2e.py --nproc 1 --workload longtail-packed --repeat 3 \
+        --modes odc+lb-mini,odc+lb-mini@../before,fsdp2 --out results/
 """
 
 from __future__ import annotations
@@ -59,9 +67,21 @@ ATTENTION_OPTIONS = {"ds_odc_varlen", "sdpa", "eager", "flex_attention", "flash_
 KERNEL_OPTIONS = {"varlen", "bucketed"}  # of ds_odc_varlen (--attention-kernel)
 
 
+def checkout_of(mode: str) -> Path:
+    """The checkout a mode runs from: this one, or ``DIR`` of ``MODE@DIR``."""
+    _, at, tree = mode.partition("@")
+    if not at:
+        return ROOT
+    root = Path(tree).expanduser().resolve()
+    if not (root / "examples" / "sft.py").exists():
+        raise SystemExit(f"mode {mode!r}: {root} is not a checkout of this repository (no examples/sft.py)")
+    return root
+
+
 def parse_mode(mode: str, workload: str) -> tuple[str, bool, str, str]:
-    """``NAME[/packed|/unpacked][/ATTENTION][/KERNEL]`` -> (name, packed, attention implementation, its kernel)."""
-    name, *options = mode.split("/")
+    """``NAME[/packed|/unpacked][/ATTENTION][/KERNEL][@DIR]`` -> (name, packed, attention implementation, its
+    kernel)."""
+    name, *options = mode.partition("@")[0].split("/")
     if name not in MODES:
         raise SystemExit(f"unknown mode {name!r}; choose from {sorted(MODES)}")
     packed, attn, kernel = workload == "longtail-packed", "ds_odc_varlen", "auto"
@@ -104,20 +124,23 @@ def like_for_like(mode: str, base: str, ran: dict, workload: str) -> str | None:
     return None
 
 
-def run(mode: str, args, lengths: Path, out: Path) -> dict:
+def run(mode: str, args, lengths: Path, out: Path, round_: int = 0) -> dict:
     name, packed, attn, kernel = parse_mode(mode, args.workload)
+    root = checkout_of(mode)
+    profile = args.profile and round_ == 0  # one profiled minibatch per mode is enough
     script, config, balancer = MODES[name]
     if packed and balancer == "local-sort":
         balancer = "lb-micro"
     if script == "plain" and args.nproc != 1:
         print(f"  {mode}: skipped (plain training runs at --nproc 1 only)", flush=True)
         return {"mode": mode, "failed": True}
-    slug = mode.replace("/", "-")
+    slug = mode.partition("@")[0].replace("/", "-") + (f"-at-{root.name}" if "@" in mode else "")
+    slug += f"-round{round_ + 1}" if args.repeat > 1 else ""
     metrics = out / f"{args.model}-{args.workload}-{slug}.json"
     cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={args.nproc}",
-           str(ROOT / ("examples/sft.py" if script == "sft" else "benchmarks/fsdp2_sft.py")),
+           str(root / ("examples/sft.py" if script == "sft" else "benchmarks/fsdp2_sft.py")),
            "--model", args.model, "--lengths-file", str(lengths), "--no-shuffle", "--balancer", balancer,
-           "--minibatch-size", "4", "--steps", str(args.steps + args.profile), "--warmup-steps", "1",
+           "--minibatch-size", "4", "--steps", str(args.steps + profile), "--warmup-steps", "1",
            "--gradient-checkpointing", "--attn-implementation", attn, "--attention-kernel", kernel,
            "--metrics-json", str(metrics), "--cost", args.cost]
     if script == "plain":
@@ -125,10 +148,10 @@ def run(mode: str, args, lengths: Path, out: Path) -> dict:
     if args.cost_coeffs:
         cmd += ["--cost-coeffs", args.cost_coeffs]
     if config:
-        cmd += ["--deepspeed", str(ROOT / "ds_configs" / config)]
+        cmd += ["--deepspeed", str(root / "ds_configs" / config)]
     if args.sdpa_backends:
         cmd += ["--sdpa-backends", args.sdpa_backends]
-    if args.profile:
+    if profile:
         cmd += ["--profile-step", str(args.steps), "--profile-dir", str(out / f"profile-{args.model}-{slug}")]
         cmd += ["--profile-python"] if args.profile_python else []
     if packed:
@@ -139,7 +162,7 @@ def run(mode: str, args, lengths: Path, out: Path) -> dict:
     with open(log, "w") as f, tempfile.TemporaryDirectory(prefix="ds_odc_e2e_") as scratch:
         proc = subprocess.run(cmd, stdout=f, stderr=subprocess.STDOUT, timeout=args.run_timeout,
                               env=dict(os.environ, TMPDIR=scratch, PYTHONPATH=os.pathsep.join(
-                                  p for p in [str(ROOT), os.environ.get("PYTHONPATH", "")] if p)))
+                                  p for p in [str(root), os.environ.get("PYTHONPATH", "")] if p)))
     if proc.returncode != 0 or not metrics.exists():
         tail = log.read_text()[-2500:]
         print(f"  {mode} FAILED (rc={proc.returncode}); log tail:\n{tail}", flush=True)
@@ -149,9 +172,29 @@ def run(mode: str, args, lengths: Path, out: Path) -> dict:
     result.update(mode=mode, wall_s=time.monotonic() - started)
     if written.get("profile_rank0"):
         result["profile"] = written["profile_rank0"]
-    print(f"  {mode}: {result['samples_per_s']:.3f} samples/s, bubble {result['bubble_rate']:.1%} "
-          f"({result['wall_s']:.0f}s wall)", flush=True)
+    print(f"  {mode}{f' (round {round_ + 1})' if args.repeat > 1 else ''}: {result['samples_per_s']:.3f} samples/s, "
+          f"bubble {result['bubble_rate']:.1%} ({result['wall_s']:.0f}s wall)", flush=True)
     return result
+
+
+def median(values: list[float]) -> float:
+    ordered = sorted(values)
+    mid = len(ordered) // 2
+    return ordered[mid] if len(ordered) % 2 else (ordered[mid - 1] + ordered[mid]) / 2
+
+
+def median_run(runs: list[dict]) -> dict:
+    """The run with the median samples/s (the lower one of two middles), with every run's samples/s beside it."""
+    ok = sorted((r for r in runs if not r.get("failed")), key=lambda r: r["samples_per_s"])
+    if not ok:
+        return runs[0]
+    return {**ok[(len(ok) - 1) // 2], "runs_samples_per_s": [r["samples_per_s"] for r in runs if not r.get("failed")]}
+
+
+def ratio(runs: dict[str, list[dict]], mode: str, base: str) -> float:
+    """Median over the rounds where both ran of mode's samples/s over base's, measured in the same round."""
+    pairs = [(a, b) for a, b in zip(runs[mode], runs[base]) if not a.get("failed") and not b.get("failed")]
+    return median([a["samples_per_s"] / b["samples_per_s"] for a, b in pairs]) if pairs else float("nan")
 
 
 def main():
@@ -177,7 +220,11 @@ def main():
     p.add_argument("--profile-python", action="store_true",
                    help="with --profile: record Python calls too, and list those that ran while the GPU idled")
     p.add_argument("--scale", type=float, default=1.0, help="scale all lengths (CPU smoke runs with --model tiny)")
+    p.add_argument("--repeat", type=int, default=1,
+                   help="run the modes this many times, in rounds; medians and in-round ratios in the table")
     args = p.parse_args()
+    if args.repeat < 1:
+        raise SystemExit("--repeat must be at least 1")
     packed_table = args.workload == "longtail-packed"
     args.modes = args.modes or ",".join(PACKED_TABLE if packed_table else
                                         [m for m in MODES if m != "plain" or args.nproc == 1])
@@ -187,16 +234,23 @@ def main():
     lengths = out / f"lengths-{args.workload}.txt"
     write_lengths(args.workload, args.steps + args.profile, lengths, args.scale, args.nproc)
     print(f"# {args.model} / {args.workload} on {args.nproc} ranks: {' '.join(sys.argv)}", flush=True)
-    started, results = time.monotonic(), {}
-    for mode in args.modes.split(","):
-        if time.monotonic() - started > args.budget_s:
-            print(f"  {mode}: skipped (time budget)", flush=True)
-            continue
-        results[mode] = run(mode, args, lengths, out)
+    modes = args.modes.split(",")
+    for mode in modes:
+        checkout_of(mode)  # a wrong @DIR fails now, not after the other modes ran
+    started, runs = time.monotonic(), {mode: [] for mode in modes}
+    for round_ in range(args.repeat):
+        for mode in modes:
+            if time.monotonic() - started > args.budget_s:
+                print(f"  {mode}: skipped (time budget)", flush=True)
+                runs[mode].append({"mode": mode, "failed": True})
+                continue
+            runs[mode].append(run(mode, args, lengths, out, round_))
+    results = {mode: median_run(rs) for mode, rs in runs.items()}
     ok = {m: r for m, r in results.items() if not r.get("failed")}
     references = [m for m in args.compare_to.split(",") if m in ok]
     print(f"\n{args.model} / {args.workload} ({args.nproc} ranks; timed minibatches 2-{args.steps}; "
-          "'same rows': packed with packed, unpacked with unpacked)")
+          "'same rows': packed with packed, unpacked with unpacked"
+          + (f"; median of {args.repeat} rounds, ratios within a round" if args.repeat > 1 else "") + ")")
     print(f"{'mode':<28}{'samples/s/dev':>14}{'tokens/s':>11}{'bubble':>8}{'peak GiB':>9}"
           + "".join(f"{'vs ' + m + ' same rows':>22}" for m in LIKE_FOR_LIKE)
           + "".join(f"{'vs ' + m:>{max(12, len(m) + 5)}}" for m in references))
@@ -204,12 +258,14 @@ def main():
         like = ""
         for base in LIKE_FOR_LIKE:
             twin = like_for_like(mode, base, ok, args.workload)
-            like += f"{r['samples_per_s'] / ok[twin]['samples_per_s']:>21.2f}x" if twin else f"{'-':>22}"
-        ratios = "".join(f"{r['samples_per_s'] / ok[m]['samples_per_s']:>{max(12, len(m) + 5) - 1}.2f}x"
-                         for m in references)
+            like += f"{ratio(runs, mode, twin):>21.2f}x" if twin else f"{'-':>22}"
+        ratios = "".join(f"{ratio(runs, mode, m):>{max(12, len(m) + 5) - 1}.2f}x" for m in references)
         print(f"{mode:<28}{r['samples_per_s_per_device']:>14.3f}{r['tokens_per_s']:>11.0f}{r['bubble_rate']:>8.1%}"
               f"{r['peak_mem_bytes'] / 2**30:>9.1f}{like}{ratios}")
-    profiled = {m: r["profile"] for m, r in ok.items() if r.get("profile")}
+    if args.repeat > 1:
+        print("samples/s of every round: " + "; ".join(
+            f"{m} {' '.join(f'{x:.3f}' for x in r['runs_samples_per_s'])}" for m, r in ok.items()))
+    profiled = {m: rs[0]["profile"] for m, rs in runs.items() if rs and rs[0].get("profile")}
     if profiled:
         print(f"\nprofile of one more minibatch (rank 0, not timed above; files in {out}/profile-*)")
         print(f"{'mode':<28}{'wall s':>8}{'dev busy':>9}{'busy %':>7}   per layer forward: {'calls':>6}"

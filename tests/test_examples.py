@@ -158,3 +158,26 @@ def test_packed_table_and_attention_benchmark_on_cpu(tmp_path):
     ours = [r for r in written["results"] if r["kernel"] in ("ds_odc_varlen (auto)", "ds_odc_varlen bucketed")]
     assert len(ours) == 4 and all(r["max_abs_diff"] <= 1e-5 for r in ours)
     assert [r["length"] for r in written["sweep"]] == [256]
+
+
+def test_e2e_rounds_and_another_checkout_on_cpu(tmp_path):
+    """--repeat runs the modes in rounds and reports each mode's median run and the median in-round ratio; a mode
+    ending in @DIR runs from that checkout (here this one again), and a wrong @DIR fails before anything runs."""
+    out = tmp_path / "e2e"
+    modes = f"odc+lb-mini,plain@{ROOT}"
+    cmd = [sys.executable, str(ROOT / "benchmarks" / "e2e.py"), "--model", "tiny", "--workload", "longtail-packed",
+           "--nproc", "1", "--scale", "0.01", "--steps", "2", "--modes", modes, "--repeat", "2", "--out", str(out),
+           "--run-timeout", "240"]
+    proc = subprocess.run(cmd, env=cpu_env(), capture_output=True, text=True, timeout=800)
+    assert proc.returncode == 0 and "FAILED" not in proc.stdout, proc.stdout[-3000:] + proc.stderr[-3000:]
+    table = proc.stdout[proc.stdout.index("tiny / longtail-packed"):]
+    assert "median of 2 rounds" in table and "samples/s of every round" in table, table
+    rate = {(m, r): json.loads((out / f"tiny-longtail-packed-{m}-round{r}.json").read_text())["summary"]
+            ["samples_per_s"] for m in ("odc+lb-mini", f"plain-at-{ROOT.name}") for r in (1, 2)}
+    expected = sum(rate["odc+lb-mini", r] / rate[f"plain-at-{ROOT.name}", r] for r in (1, 2)) / 2
+    odc_row = next(line for line in table.splitlines() if line.startswith("odc+lb-mini "))
+    assert odc_row.rstrip().endswith(f"{expected:.2f}x"), (odc_row, expected)  # vs plain, same rows, same round
+
+    wrong = subprocess.run(cmd[:cmd.index("--modes") + 1] + [f"odc+lb-mini@{tmp_path}"], env=cpu_env(),
+                           capture_output=True, text=True, timeout=120)
+    assert wrong.returncode != 0 and "is not a checkout of this repository" in wrong.stderr, wrong.stderr[-2000:]
