@@ -39,6 +39,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import statistics
 import subprocess
 import sys
 import tempfile
@@ -177,12 +178,6 @@ def run(mode: str, args, lengths: Path, out: Path, round_: int = 0) -> dict:
     return result
 
 
-def median(values: list[float]) -> float:
-    ordered = sorted(values)
-    mid = len(ordered) // 2
-    return ordered[mid] if len(ordered) % 2 else (ordered[mid - 1] + ordered[mid]) / 2
-
-
 def median_run(runs: list[dict]) -> dict:
     """The run with the median samples/s (the lower one of two middles), with every run's samples/s beside it."""
     ok = sorted((r for r in runs if not r.get("failed")), key=lambda r: r["samples_per_s"])
@@ -194,7 +189,7 @@ def median_run(runs: list[dict]) -> dict:
 def ratio(runs: dict[str, list[dict]], mode: str, base: str) -> float:
     """Median over the rounds where both ran of mode's samples/s over base's, measured in the same round."""
     pairs = [(a, b) for a, b in zip(runs[mode], runs[base]) if not a.get("failed") and not b.get("failed")]
-    return median([a["samples_per_s"] / b["samples_per_s"] for a, b in pairs]) if pairs else float("nan")
+    return statistics.median(a["samples_per_s"] / b["samples_per_s"] for a, b in pairs) if pairs else float("nan")
 
 
 def main():
