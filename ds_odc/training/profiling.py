@@ -169,11 +169,27 @@ def _idle_gaps(host: list[dict], device: list[tuple[float, float]]) -> list[tupl
     return idle
 
 
-def _charge(threads: dict, idle: list[tuple[float, float]]) -> list[tuple[str, float]]:
-    """Idle time charged to each thread's innermost event (the busiest thread unlabelled, the others numbered)."""
+def _thread_names(threads: dict) -> dict:
+    """``main`` for the thread whose first event is the earliest, ``autograd`` for another that runs autograd's
+    backward nodes (a GPU's backward runs on a thread of its own; a CPU's on the main thread), ``thread N`` else."""
+    names, n = {}, 0
+    for key in sorted(threads, key=lambda k: min(e[0] for e in threads[k])):
+        if not names:
+            names[key] = "main"
+        elif "autograd" not in names.values() and any(
+                e[2].startswith("autograd::engine::evaluate_function") for e in threads[key]):
+            names[key] = "autograd"
+        else:
+            n += 1
+            names[key] = f"thread {n}"
+    return names
+
+
+def _charge(threads: dict, idle: list[tuple[float, float]], names: dict) -> list[tuple[str, float]]:
+    """Idle time charged to each thread's innermost event, as ``[thread] event``."""
     charged: dict[str, float] = {}
-    for n, key in enumerate(sorted(threads, key=lambda k: -len(threads[k]))):
-        label = "" if n == 0 else f"[thread {n}] "
+    for key in threads:
+        label = f"[{names[key]}] "
         gap = 0
         for start, end, name in _innermost(threads[key]):
             while gap < len(idle) and idle[gap][1] <= start:
@@ -209,7 +225,8 @@ def _idle_host(events: list[dict], device: list[tuple[float, float]]) -> dict[st
         every.setdefault(key, []).append(event)
         if e.get("cat") == "python_function" and any(root in event[2] for root in _TRAINING_CODE):
             frames.setdefault(key, []).append(event)
-    return {"idle_host": _charge(every, idle), "idle_python": _charge(frames, idle)}
+    names = _thread_names(every)
+    return {"idle_host": _charge(every, idle, names), "idle_python": _charge(frames, idle, names)}
 
 
 def _timeline(trace_events: list) -> dict:

@@ -43,14 +43,15 @@ def test_device_idle_time_is_charged_to_the_innermost_host_event():
          "pid": 1, "tid": 1},
         {"cat": "cuda_runtime", "name": "cudaEventSynchronize", "ts": 20, "dur": 20, "pid": 1, "tid": 1},
         {"cat": "cpu_op", "name": "aten::mm", "ts": 105, "dur": 5, "pid": 1, "tid": 1},
-        {"cat": "cpu_op", "name": "autograd::engine", "ts": 30, "dur": 40, "pid": 1, "tid": 2},
+        {"cat": "cpu_op", "name": "autograd::engine::evaluate_function: MmBackward0", "ts": 30, "dur": 40, "pid": 1,
+         "tid": 2},
     ]
     timeline = _timeline(trace)
     (frame, seconds), = timeline["idle_python"]  # all the idle time (10-50, 100-120) ran inside thread 1's frame
-    assert frame == "deepspeed/hooks.py(3): fetch" and abs(seconds - 60e-6) < 1e-12
+    assert frame == "[main] deepspeed/hooks.py(3): fetch" and abs(seconds - 60e-6) < 1e-12
     idle = dict(timeline["idle_host"])
     # thread 1, idle parts: fetch's own time 10-20, 40-50, 100-105, 110-120; the sync 20-40; mm 105-110
-    expected = {"deepspeed/hooks.py(3): fetch": 35e-6, "cudaEventSynchronize": 20e-6, "aten::mm": 5e-6,
-                "[thread 1] autograd::engine": 20e-6}
+    expected = {"[main] deepspeed/hooks.py(3): fetch": 35e-6, "[main] cudaEventSynchronize": 20e-6,
+                "[main] aten::mm": 5e-6, "[autograd] autograd::engine::evaluate_function: MmBackward0": 20e-6}
     assert idle.keys() == expected.keys()
     assert all(abs(idle[k] - v) < 1e-12 for k, v in expected.items()), idle
