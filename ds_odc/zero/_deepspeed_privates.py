@@ -18,8 +18,9 @@ import torch
 from packaging.version import Version
 
 __all__ = ["SUPPORTED", "check_deepspeed", "skip_cpu_shm_op_build", "install_config_model", "install_optimizer_hook",
-           "accumulation_of", "use_coordinator_class", "grad_partition_map", "bind_param_methods",
-           "zero3_hooks_detached", "no_rank_consistency_asserts", "CoordinatorSeams", "Stage3Seams"]
+           "nvtx_ranges_only_under_a_tool", "accumulation_of", "use_coordinator_class", "grad_partition_map",
+           "bind_param_methods", "zero3_hooks_detached", "no_rank_consistency_asserts", "CoordinatorSeams",
+           "Stage3Seams"]
 
 SUPPORTED = ">=0.19.8,<0.20"
 _MIN, _MAX = Version("0.19.8"), Version("0.20")
@@ -169,6 +170,18 @@ def install_checkpoint_writers(is_replica) -> None:
     DeepSpeedEngine._configure_checkpointing = _configure_checkpointing
 
 
+def nvtx_ranges_only_under_a_tool() -> None:
+    """Why: DeepSpeed wraps its per-parameter and per-module hook functions in NVTX ranges (``instrument_w_nvtx``,
+    on unless ``deepspeed.utils.nvtx.enable_nvtx`` is False), thousands of calls per microbatch that cost host time
+    on a GPU even with no profiler attached to record them. A tool that records NVTX (Nsight Systems, Nsight
+    Compute) announces itself through ``NVTX_INJECTION64_PATH``; then the ranges stay on."""
+    import os
+
+    from deepspeed.utils import nvtx
+    if not os.environ.get("NVTX_INJECTION64_PATH"):
+        nvtx.enable_nvtx = False
+
+
 def accumulation_of(engine):
     """Why: whether the caller owns the accumulation boundary is engine state (``_is_gradient_accumulation_boundary``
     is None unless set explicitly), and ODC needs it to tell a drop-in loop from one with uneven counts."""
@@ -188,7 +201,7 @@ def use_coordinator_class(offload, coordinator_cls, state) -> None:
     """Why: ``DeepSpeedZeRoOffload`` constructs its ``PartitionedParameterCoordinator`` inside its ``__init__``, with no
     factory to override, so ODC re-classes the instance it built."""
     coordinator = offload.param_coordinator
-    missing = [n for n in ("n_available_params", "allgather_stream", "inflight_param_registry")
+    missing = [n for n in ("n_available_params", "allgather_stream")
                if not hasattr(coordinator, _COORD + n)]
     if missing:
         raise ImportError(f"ds_odc supports deepspeed{SUPPORTED}: this DeepSpeed's parameter coordinator lacks "
@@ -257,7 +270,10 @@ class CoordinatorSeams:
 
     def _PartitionedParameterCoordinator__all_gather_params_(self, params, forward, quantize=False):
         # Why: the coordinator's one all-gather site, for fetches and prefetches alike; ODC reads the owners' shards
-        # one-sidedly and registers the result where the coordinator waits for it (its private registry and counter).
+        # one-sidedly on the coordinator's fetch stream and counts them where it counts gathered elements. The reads
+        # are not registered as in flight: every fetch_sub_module ends by ordering the compute stream after the fetch
+        # stream, so the per-parameter wait that registering buys (a stream switch and an event per parameter, per
+        # block, per microbatch) adds only host time.
         from deepspeed.accelerator import get_accelerator
         from deepspeed.runtime.zero.partition_parameters import ZeroParamStatus
         if quantize:
@@ -268,10 +284,7 @@ class CoordinatorSeams:
         setattr(self, _COORD + "n_available_params",
                 getattr(self, _COORD + "n_available_params") + sum(p.ds_numel for p in todo))
         with get_accelerator().stream(getattr(self, _COORD + "allgather_stream")):
-            handle = self.odc.fetch(todo)
-        registry = getattr(self, _COORD + "inflight_param_registry")
-        for param in todo:
-            registry[param] = handle
+            self.odc.fetch(todo).wait()
 
     def reset_step(self) -> None:
         # Why: see no_rank_consistency_asserts.

@@ -44,6 +44,7 @@ class OdcOptimizer(privates.Stage3Seams, DeepSpeedZeroOptimizer_Stage3):
         if groups is not None:
             privates.partition_over(kwargs, groups.shard)
         self.odc = OdcState(config, groups)
+        privates.nvtx_ranges_only_under_a_tool()
         super().__init__(*args, **kwargs)
         trainable = {p.ds_id for p in self._trainable()}
         frozen = [p for p in self.module.parameters() if hasattr(p, "ds_id") and p.ds_id not in trainable]

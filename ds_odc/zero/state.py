@@ -93,8 +93,8 @@ class FetchPlan:
 
 
 class FetchHandle:
-    """What the coordinator waits on. The reads were enqueued on the current (fetch) stream when the handle was made,
-    and the coordinator orders the compute stream after that stream, so waiting only marks the params available."""
+    """A started fetch. The reads were enqueued on the current stream when the handle was made (the coordinator's
+    fetch stream, which it orders the compute stream after), so waiting only marks the params available."""
 
     __slots__ = ("params", "done")
 

@@ -126,15 +126,23 @@ def scenario_uneven(args):
     transport, reads = engine.optimizer.odc.transport, []
     gather = transport.gather
     transport.gather = lambda plan, out: reads.append(len(plan.segments)) or gather(plan, out)
-    coordinator, fetches = engine.optimizer.parameter_offload.get_param_coordinator(), []
+    coordinator, fetches, in_flight = engine.optimizer.parameter_offload.get_param_coordinator(), [], []
     fetch = coordinator.fetch_sub_module
-    coordinator.fetch_sub_module = lambda module, **k: fetches.append(module) or fetch(module, **k)
+    registry = coordinator._PartitionedParameterCoordinator__inflight_param_registry
+
+    def counted_fetch(module, **kwargs):
+        fetches.append(module)
+        fetch(module, **kwargs)
+        in_flight.append(len(registry))  # prefetches stock would leave for a per-parameter wait later
+
+    coordinator.fetch_sub_module = counted_fetch
     train_uneven(engine, counts, args.steps, managed=args.managed)
     odc = full_params(engine)
     if rank == 0:
         emit({"max_rel_diff": max_rel_diff(odc, full_params(ref_model)), "ref_losses": ref_losses,
               "moved": max_rel_diff(odc, initial),
               "persistent_params": persistent, "reads": len(reads), "params_read": sum(reads), "module_fetches": len(fetches),
+              "prefetches_waiting": max(in_flight, default=0),
               "optimizer": type(engine.optimizer).__name__, "grad_norm": float(engine.get_global_grad_norm())})
 
 
