@@ -18,7 +18,9 @@ ds_odc_varlen) and a kernel of ds_odc_varlen (``/varlen``, ``/bucketed``; defaul
 ``odc+lb-mini/unpacked/sdpa``. Each runs in its own torchrun launch; the table compares
 samples/s measured in this one call (ratios, not absolute times, are what carry over between machines). Every mode
 is compared like for like: with FSDP2 and with plain training on the same rows (packed with packed, unpacked with
-unpacked, the same attention), when those ran in the call.
+unpacked, the same attention), when those ran in the call. A second table puts the simulator beside every run: its
+step time predicted from the run's own minibatches, planner and sync, with the cost fitted to the run's timed steps
+(``ds_odc.balancer.simulate.replay_run``).
 
 The packed table on one GPU (ODC packed vs unpacked vs FSDP2 vs plain; cuDNN's sdpa as the "before" of the
 per-layer host time):
@@ -51,6 +53,7 @@ import torch
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 from ds_odc.balancer.presets import get_preset, longtail_from_normals  # noqa: E402
+from ds_odc.balancer.simulate import replay_run  # noqa: E402
 
 MODES = {
     "stock+local-sort": ("sft", "zero3_bf16.json", "local-sort"),
@@ -170,7 +173,7 @@ def run(mode: str, args, lengths: Path, out: Path, round_: int = 0) -> dict:
         return {"mode": mode, "failed": True}
     written = json.loads(metrics.read_text())
     result = written["summary"]
-    result.update(mode=mode, wall_s=time.monotonic() - started)
+    result.update(mode=mode, wall_s=time.monotonic() - started, metrics_file=str(metrics))
     if written.get("profile_rank0"):
         result["profile"] = written["profile_rank0"]
     print(f"  {mode}{f' (round {round_ + 1})' if args.repeat > 1 else ''}: {result['samples_per_s']:.3f} samples/s, "
@@ -190,6 +193,23 @@ def ratio(runs: dict[str, list[dict]], mode: str, base: str) -> float:
     """Median over the rounds where both ran of mode's samples/s over base's, measured in the same round."""
     pairs = [(a, b) for a, b in zip(runs[mode], runs[base]) if not a.get("failed") and not b.get("failed")]
     return statistics.median(a["samples_per_s"] / b["samples_per_s"] for a, b in pairs) if pairs else float("nan")
+
+
+def print_replays(results: dict[str, dict]) -> None:
+    """The simulator's step time for each mode's (median) run beside the measured one
+    (:func:`ds_odc.balancer.simulate.replay_run`: its minibatches in order, its planner and sync, its own cost fit)."""
+    print("\nsimulator replaying each run (its minibatches, planner and sync; cost fitted to its own timed steps)")
+    print(f"{'mode':<28}{'measured s/step':>16}{'predicted':>11}{'predicted/measured':>20}   cost")
+    for mode, r in results.items():
+        try:
+            replay = replay_run(json.loads(Path(r["metrics_file"]).read_text()))
+        except (OSError, KeyError, ValueError) as err:
+            print(f"{mode:<28}{'-':>16}{'-':>11}{'-':>20}   not replayed: {err}")
+            continue
+        n, cost = replay["steps"], replay["cost"]
+        print(f"{mode:<28}{replay['measured_s'] / n:>16.3f}{replay['predicted_s'] / n:>11.3f}"
+              f"{replay['ratio']:>19.2f}x   {cost['source']}: a={cost['a']:.3g} b={cost['b']:.3g} "
+              f"c={cost['c']:.3g} d={cost['d']:.3g}")
 
 
 def main():
@@ -260,6 +280,7 @@ def main():
     if args.repeat > 1:
         print("samples/s of every round: " + "; ".join(
             f"{m} {' '.join(f'{x:.3f}' for x in r['runs_samples_per_s'])}" for m, r in ok.items()))
+    print_replays(ok)
     profiled = {m: rs[0]["profile"] for m, rs in runs.items() if rs and rs[0].get("profile")}
     if profiled:
         print(f"\nprofile of one more minibatch (rank 0, not timed above; files in {out}/profile-*)")

@@ -68,7 +68,7 @@ from .sp import DEFAULT_INTER_NODE_SLOWDOWN, SplitPolicy
 from .traffic import InterNode, parameter_count
 
 __all__ = ["PLAN_COSTS", "WHOLE_SAMPLE_PLANNERS", "StepResult", "Machine", "run_plan", "simulate_step", "simulate",
-           "balance_bound", "main"]
+           "balance_bound", "replay_run", "main"]
 
 WHOLE_SAMPLE_PLANNERS = tuple(name for name, p in PLANNERS.items() if not p.splits)  # the default comparison
 PLAN_COSTS = ("auto", "given", "oracle")
@@ -306,6 +306,56 @@ def simulate(
     if keep_steps:
         summary["_steps"] = history  # not JSON: for plotting
     return summary
+
+
+def replay_run(metrics: dict, lengths: Sequence[int] | None = None, warmup_steps: int | None = None) -> dict:
+    """The simulator's step time for a measured run, beside the measured one.
+
+    ``metrics``: a ``--metrics-json`` file of ``examples/sft.py`` or ``benchmarks/fsdp2_sft.py`` run with
+    ``--no-shuffle`` (as ``benchmarks/e2e.py`` runs them); ``lengths``: its samples' lengths (default: its
+    ``--lengths-file``). Each timed step is simulated on the run's own minibatch, planned by the run's planner, under
+    the planner's sync, with the cost fitted to the run's own timed rank-steps (:mod:`ds_odc.balancer.fit`; the cost
+    the run had fitted itself when there are too few rank-steps), its per-step term added to every step. Returns
+    ``{"predicted_s", "measured_s", "ratio", "steps", "cost"}``, totals over the timed steps; ratio = predicted /
+    measured. Raises ValueError when the run cannot be replayed."""
+    from .fit import automatic_cost, fit, rank_steps
+
+    config = metrics.get("config") or {}
+    if not config.get("no_shuffle"):
+        raise ValueError("only a run with --no-shuffle can be replayed (its minibatches are the file's in order)")
+    if lengths is None:
+        if not config.get("lengths_file"):
+            raise ValueError("the run has no --lengths-file; pass its lengths")
+        lengths = read_lengths(config["lengths_file"])
+    warmup = int(config.get("warmup_steps", 0)) if warmup_steps is None else warmup_steps
+    rows = rank_steps(metrics, warmup)
+    try:
+        (a, b, c, d), _ = fit(rows)
+        source = "fit of the run's timed rank-steps"
+    except ValueError:
+        auto = automatic_cost(metrics)
+        if auto is None:
+            raise ValueError(f"{len(rows)} timed rank-steps and no automatic cost recorded: nothing to price the "
+                             "samples with") from None
+        a, b, c, d = (float(auto[k]) for k in "abcd")
+        source = "the run's automatic cost"
+    ranks, per_rank = int(config["world_size"]), int(config["minibatch_size"])
+    per_step = ranks * per_rank
+    pool = np.asarray(lengths, dtype=np.int64)
+    cost = FittedCost(a=a, b=b, c=c)
+    planner = config["balancer"]
+    profiled = config.get("profile_step")
+    predicted = measured = 0.0
+    timed = [i for i in range(len(metrics["steps"])) if i >= warmup and i != profiled]
+    for i in timed:
+        minibatch = pool[i * per_step:(i + 1) * per_step]
+        if len(minibatch) < per_step:
+            raise ValueError(f"the lengths hold {len(pool)} samples; step {i} needs {(i + 1) * per_step}")
+        result = simulate_step(minibatch, ranks, config.get("max_tokens") or None, cost, [planner], "truncate")
+        predicted += result[planner].step_time + d
+        measured += float(metrics["steps"][i]["step_time_s"])
+    return {"predicted_s": predicted, "measured_s": measured, "ratio": predicted / measured if measured else math.nan,
+            "steps": len(timed), "cost": {"a": a, "b": b, "c": c, "d": d, "source": source}}
 
 
 def _shape_counts(results: list[StepResult]) -> dict[str, int]:
