@@ -49,6 +49,9 @@ def check_deepspeed() -> None:
             (Stage3, "_post_step"),
             (Stage3, "_get_fp32_grad_state_partition"),
             (Stage3, "update_fp32_grad_for_param_vectorized"),
+            (Stage3, "_partition_all_parameters"),
+            (Stage3, "_get_norm_groups"),
+            (Stage3, "_get_param_partition_group"),
             (Coordinator, COORDINATOR_GATHER),
             (Coordinator, "reset_step"),
             (DeepSpeedEngine, "_configure_zero_optimizer"),
@@ -201,7 +204,7 @@ def use_coordinator_class(offload, coordinator_cls, state) -> None:
     """Why: ``DeepSpeedZeRoOffload`` constructs its ``PartitionedParameterCoordinator`` inside its ``__init__``, with no
     factory to override, so ODC re-classes the instance it built."""
     coordinator = offload.param_coordinator
-    missing = [n for n in ("n_available_params", "allgather_stream")
+    missing = [n for n in ("n_available_params", "allgather_stream", "inflight_param_registry", "release_param")
                if not hasattr(coordinator, _COORD + n)]
     if missing:
         raise ImportError(f"ds_odc supports deepspeed{SUPPORTED}: this DeepSpeed's parameter coordinator lacks "
@@ -353,6 +356,40 @@ class Stage3Seams:
                 param.grad.record_stream(stream)
             param.grad = None
         return []
+
+    def _partition_all_parameters(self):
+        # Why: stock walks every module twice and releases each gathered parameter through zero.Init's per-parameter
+        # closures, every step. Under ODC nothing is in flight at a step (reads are waited where they are issued), the
+        # engine already lists every ZeRO parameter, and a parameter that *is* its shard (one rank) is updated in
+        # place by the step, so it stays: only other gathered parameters are released.
+        from deepspeed.runtime.zero.partition_parameters import ZeroParamStatus
+        coordinator = self.parameter_offload.get_param_coordinator()
+        if getattr(coordinator, _COORD + "inflight_param_registry"):
+            return super()._partition_all_parameters()
+        release = getattr(coordinator, _COORD + "release_param")
+        for param in self.odc.params.values():
+            if param.ds_active_sub_modules:
+                param.ds_active_sub_modules.clear()
+            if param.ds_status != ZeroParamStatus.NOT_AVAILABLE and not self.odc.is_own_shard(param):
+                release(param)
+                if param.ds_status != ZeroParamStatus.NOT_AVAILABLE:
+                    raise RuntimeError(f"{param.ds_summary()} expected to be released")
+
+    def _get_norm_groups(self):
+        # Why: stock takes one norm per parameter (several tensor ops each, hundreds per step) over views of what
+        # under ODC is one flat fp32 accumulator, where each group's gradients are one contiguous range; ODC takes one
+        # norm per group, summed over the same process group, with stock's -1 for a non-finite norm.
+        from deepspeed import comm as dist
+        norms = []
+        for group in self.fp16_groups:
+            flat = self.odc.accumulated(group) if all(p.requires_grad for p in group) else None
+            if flat is None:  # a frozen parameter in a trainable group: stock counts it as zeros
+                return super()._get_norm_groups()
+            total = torch.linalg.vector_norm(flat, 2, dtype=torch.float32).square().reshape(1)
+            dist.all_reduce(total, op=dist.ReduceOp.SUM, group=self._get_param_partition_group(group[0]))
+            norm = total.sqrt().squeeze(0)
+            norms.append(torch.where(norm.isfinite(), norm, torch.full_like(norm, -1.0)))
+        return norms
 
     def _post_step(self, timer_names):
         # Why: stock re-gathers persistent params here, after the update; peers must have published theirs first.

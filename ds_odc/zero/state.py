@@ -205,6 +205,23 @@ class OdcState:
             offset += n
         return views
 
+    def accumulated(self, params: Sequence[torch.nn.Parameter]) -> torch.Tensor | None:
+        """The accumulator range that holds exactly the gradient partitions of ``params`` (consecutive, in order),
+        or None if they are not one contiguous range."""
+        places = [self.grads.get(p.ds_id) for p in params]
+        if not places or None in places:
+            return None
+        end = places[0].offset
+        for place in places:
+            if place.offset != end:
+                return None
+            end += place.numel
+        return self.accumulator.local.narrow(0, places[0].offset, end - places[0].offset)
+
+    def is_own_shard(self, param: torch.nn.Parameter) -> bool:
+        """Whether the gathered ``param`` is a view of its own shard (one rank), which updating the shard updates."""
+        return param.numel() == param.ds_tensor.numel() and param.data_ptr() == param.ds_tensor.data_ptr()
+
     # -- hop one: parameters ------------------------------------------------------------------------------------------
     def fetch(self, params: Iterable[torch.nn.Parameter]) -> FetchHandle:
         """Start reading every listed (partitioned) parameter from its owners, on the current stream."""
