@@ -104,6 +104,8 @@ def remember_host_boundaries(host: Mapping[str, Any], moved: Mapping[str, Any]) 
         src, dst = host.get(name), moved.get(name)
         if torch.is_tensor(src) and torch.is_tensor(dst) and dst is not src and not src.is_cuda:
             _host_cache[dst] = (dst._version, _host_lengths(src))
+    if moved.get("cu_seq_lens_q") is not None:
+        return  # every layer takes the documents from cu_seq_lens_q: boundaries from positions would go unread
     src, dst = host.get("position_ids"), moved.get("position_ids")
     if torch.is_tensor(src) and torch.is_tensor(dst) and dst is not src and not src.is_cuda and src.dim() == 2:
         found = boundaries_from_position_ids(src)

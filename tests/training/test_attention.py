@@ -241,6 +241,8 @@ def test_boundaries_moved_to_the_device_keep_their_host_lengths(monkeypatch, bou
     copies.clear()
     assert lengths_seen_by_a_layer(moved) == tuple(LENGTHS) and not copies
     assert on_device(host, torch.device("cpu"))["input_ids"] is host["input_ids"]  # same device: no copy
+    # Host work per microbatch: the documents are found once, from the boundaries the layers will read.
+    assert (attention._position_cache.get(moved["position_ids"]) is None) == (boundaries == "cu_seq_lens")
 
 
 def test_planning_buckets_is_a_no_op_without_the_bucketed_kernel():
