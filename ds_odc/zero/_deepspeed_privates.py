@@ -18,9 +18,9 @@ import torch
 from packaging.version import Version
 
 __all__ = ["SUPPORTED", "check_deepspeed", "skip_cpu_shm_op_build", "install_config_model", "install_optimizer_hook",
-           "nvtx_ranges_only_under_a_tool", "accumulation_of", "use_coordinator_class", "grad_partition_map",
-           "bind_param_methods", "zero3_hooks_detached", "no_rank_consistency_asserts", "CoordinatorSeams",
-           "Stage3Seams"]
+           "nvtx_ranges_only_under_a_tool", "list_module_parameters_once", "accumulation_of",
+           "use_coordinator_class", "grad_partition_map", "bind_param_methods", "zero3_hooks_detached",
+           "no_rank_consistency_asserts", "CoordinatorSeams", "Stage3Seams"]
 
 SUPPORTED = ">=0.19.8,<0.20"
 _MIN, _MAX = Version("0.19.8"), Version("0.20")
@@ -57,6 +57,7 @@ def check_deepspeed() -> None:
             (DeepSpeedEngine, "_configure_zero_optimizer"),
             (DeepSpeedEngine, "_configure_checkpointing"),
             (coordinator_module, "assert_ints_same_as_other_ranks"),
+            (coordinator_module, "iter_params"),
         ] if not hasattr(owner, name)
     ]
     if missing or not (_MIN <= version < _MAX):
@@ -185,6 +186,30 @@ def nvtx_ranges_only_under_a_tool() -> None:
         nvtx.enable_nvtx = False
 
 
+_MODULE_PARAMETERS = weakref.WeakKeyDictionary()  # an ODC engine's module -> (its own parameters, its subtree's)
+
+
+def list_module_parameters_once(model) -> None:
+    """Why: the coordinator lists a module's parameters (``iter_params``: for a transformer block, a walk of all its
+    submodules) several times per fetch and release, for every block of every microbatch; parameters do not change
+    after ``deepspeed.initialize``, so for an ODC engine's modules they are listed once (external parameters, which
+    a forward may register, are still read live). Other engines' modules take stock's walk."""
+    from deepspeed.runtime.zero import partitioned_param_coordinator as coordinator_module
+    stock = coordinator_module.iter_params
+    if not getattr(stock, "_ds_odc_hook", False):
+        def iter_params(module, recurse=False):
+            listed = _MODULE_PARAMETERS.get(module)
+            if listed is None:
+                return stock(module, recurse)
+            return itertools.chain(listed[bool(recurse)], (p for _, p in module.ds_external_parameters()))
+
+        iter_params._ds_odc_hook = True
+        coordinator_module.iter_params = iter_params
+    for module in model.modules():
+        _MODULE_PARAMETERS[module] = (tuple(p for _, p in module.named_parameters(recurse=False)),
+                                      tuple(p for _, p in module.named_parameters(recurse=True)))
+
+
 def accumulation_of(engine):
     """Why: whether the caller owns the accumulation boundary is engine state (``_is_gradient_accumulation_boundary``
     is None unless set explicitly), and ODC needs it to tell a drop-in loop from one with uneven counts."""
@@ -222,14 +247,22 @@ def grad_partition_map(optimizer) -> dict:
 def bind_param_methods(param, state) -> None:
     """Why: ``zero.Init`` binds per-parameter closures; ``all_gather`` (external params, ``GatheredParameters``, the
     persistent refresh) is a collective, so ODC reads one-sidedly instead, and ``partition(has_been_updated=True)``
-    (``GatheredParameters(modifier_rank=...)`` on exit) writes shards that peers read, so ODC publishes them."""
+    (``GatheredParameters(modifier_rank=...)`` on exit) writes shards that peers read, so ODC publishes them. The
+    coordinator's release of a read parameter (``partition()``, once per parameter, block and microbatch) only drops
+    the full copy: the shard never left its place (ODC rejects offload and hpZ), and stock's path there formats
+    debug strings and asks for the rank several times per call."""
+    from deepspeed.runtime.zero.partition_parameters import ZeroParamStatus, free_param
     stock_partition = param.partition
+    available = ZeroParamStatus.AVAILABLE
 
     def all_gather(param_list=None, async_op=False, hierarchy=0):
         state.fetch_now([param] if param_list is None else param_list)
         return [] if async_op else None
 
     def partition(param_list=None, hierarchy=0, has_been_updated=False, free_data=True):
+        if param_list is None and not has_been_updated and free_data and param.ds_status is available:
+            free_param(param)
+            return
         stock_partition(param_list=param_list, hierarchy=hierarchy, has_been_updated=has_been_updated,
                         free_data=free_data)
         if has_been_updated:

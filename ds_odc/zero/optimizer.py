@@ -52,6 +52,7 @@ class OdcOptimizer(privates.Stage3Seams, DeepSpeedZeroOptimizer_Stage3):
         for param in frozen:
             privates.bind_param_methods(param, self.odc)
         self.odc.sync_replicas(self.odc.frozen)
+        privates.list_module_parameters_once(self.module)
         views = self.odc.place_accumulator(self._trainable(), self.grad_partitions_flat_buffer.numel())
         self.grad_partitions_flat_buffer = self.odc.accumulator.local
         privates.grad_partition_map(self).update(views)
