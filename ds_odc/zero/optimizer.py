@@ -45,6 +45,9 @@ class OdcOptimizer(privates.Stage3Seams, DeepSpeedZeroOptimizer_Stage3):
             privates.partition_over(kwargs, groups.shard)
         self.odc = OdcState(config, groups)
         privates.nvtx_ranges_only_under_a_tool()
+        # Pushes read each gradient where autograd left it: copying it into a contiguous bucket first (a stream switch,
+        # a copy and a bucket-sized buffer) buys nothing when no collective needs one flat tensor.
+        kwargs["contiguous_gradients"] = False
         super().__init__(*args, **kwargs)
         trainable = {p.ds_id for p in self._trainable()}
         frozen = [p for p in self.module.parameters() if hasattr(p, "ds_id") and p.ds_id not in trainable]

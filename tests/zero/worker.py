@@ -143,6 +143,7 @@ def scenario_uneven(args):
               "moved": max_rel_diff(odc, initial),
               "persistent_params": persistent, "reads": len(reads), "params_read": sum(reads), "module_fetches": len(fetches),
               "prefetches_waiting": max(in_flight, default=0),
+              "gradient_buckets_allocated": sum(b.buffer is not None for b in engine.optimizer.ipg_buckets.values()),
               "optimizer": type(engine.optimizer).__name__, "grad_norm": float(engine.get_global_grad_norm())})
 
 
