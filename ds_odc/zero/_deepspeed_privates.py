@@ -413,11 +413,12 @@ class Stage3Seams:
         # under ODC is one flat fp32 accumulator, where each group's gradients are one contiguous range; ODC takes one
         # norm per group, summed over the same process group, with stock's -1 for a non-finite norm.
         from deepspeed import comm as dist
+        flats = [self.odc.accumulated(group) if all(p.requires_grad for p in group) else None
+                 for group in self.fp16_groups]
+        if any(flat is None for flat in flats):  # a frozen parameter in a trainable group: stock counts it as zeros
+            return super()._get_norm_groups()
         norms = []
-        for group in self.fp16_groups:
-            flat = self.odc.accumulated(group) if all(p.requires_grad for p in group) else None
-            if flat is None:  # a frozen parameter in a trainable group: stock counts it as zeros
-                return super()._get_norm_groups()
+        for group, flat in zip(self.fp16_groups, flats):
             total = torch.linalg.vector_norm(flat, 2, dtype=torch.float32).square().reshape(1)
             dist.all_reduce(total, op=dist.ReduceOp.SUM, group=self._get_param_partition_group(group[0]))
             norm = total.sqrt().squeeze(0)
