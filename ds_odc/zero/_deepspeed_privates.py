@@ -1,8 +1,12 @@
-"""Every place where ds_odc touches DeepSpeed's internals lives in this module.
+"""The register of every DeepSpeed internal ds_odc touches: their names, the version check, the installers, and the
+overrides of private members.
 
-Supported: ``deepspeed>=0.19.8,<0.20``. ``check_deepspeed()`` feature-detects each symbol at import, so a DeepSpeed
-that moved one fails with a version message, never a hang. Each override carries one line saying why it exists, and
-forwards to the engine's :class:`~ds_odc.zero.state.OdcState` (``self.odc``), which never calls back.
+Supported: ``deepspeed>=0.19.8,<0.20``. :func:`check_deepspeed` feature-detects each symbol at import, so a DeepSpeed
+that moved one fails with a version message, never a hang. Each installer, accessor and override says in one line
+why it exists. The overrides (:class:`Stage3Seams`, :class:`CoordinatorSeams`) hold no logic: each forwards in a
+line or three to a named method of :class:`~ds_odc.zero.optimizer.OdcOptimizer`, of
+:class:`~ds_odc.zero.coordinator.OdcParamCoordinator` or of the engine's :class:`~ds_odc.zero.state.OdcState`
+(``self.odc``), and this module imports none of them.
 """
 
 from __future__ import annotations
@@ -14,13 +18,14 @@ import itertools
 import weakref
 
 import deepspeed
-import torch
 from packaging.version import Version
 
 __all__ = ["SUPPORTED", "check_deepspeed", "skip_cpu_shm_op_build", "install_config_model", "install_optimizer_hook",
-           "nvtx_ranges_only_under_a_tool", "list_module_parameters_once", "accumulation_of",
-           "use_coordinator_class", "grad_partition_map", "bind_param_methods", "zero3_hooks_detached",
-           "no_rank_consistency_asserts", "CoordinatorSeams", "Stage3Seams"]
+           "install_zero_init_group", "partition_over", "install_checkpoint_writers", "nvtx_ranges_only_under_a_tool",
+           "list_module_parameters_once", "accumulation_of", "use_coordinator_class", "grad_partition_map",
+           "bind_param_methods", "zero3_hooks_detached", "no_rank_consistency_asserts", "no_persistent_refresh",
+           "fetch_stream", "count_available", "has_fetches_in_flight", "release_function", "CoordinatorSeams",
+           "Stage3Seams"]
 
 SUPPORTED = ">=0.19.8,<0.20"
 _MIN, _MAX = Version("0.19.8"), Version("0.20")
@@ -30,6 +35,10 @@ AVG_SCATTER_GRADS = "_DeepSpeedZeroOptimizer_Stage3__avg_scatter_grads"
 PARAM_ID_TO_GRAD_PARTITION = "_DeepSpeedZeroOptimizer_Stage3__param_id_to_grad_partition"
 COORDINATOR_GATHER = "_PartitionedParameterCoordinator__all_gather_params_"
 _COORD = "_PartitionedParameterCoordinator__"
+COORDINATOR_COUNT = _COORD + "n_available_params"
+COORDINATOR_STREAM = _COORD + "allgather_stream"
+COORDINATOR_IN_FLIGHT = _COORD + "inflight_param_registry"
+COORDINATOR_RELEASE = _COORD + "release_param"
 
 
 def check_deepspeed() -> None:
@@ -229,8 +238,8 @@ def use_coordinator_class(offload, coordinator_cls, state) -> None:
     """Why: ``DeepSpeedZeRoOffload`` constructs its ``PartitionedParameterCoordinator`` inside its ``__init__``, with no
     factory to override, so ODC re-classes the instance it built."""
     coordinator = offload.param_coordinator
-    missing = [n for n in ("n_available_params", "allgather_stream", "inflight_param_registry", "release_param")
-               if not hasattr(coordinator, _COORD + n)]
+    missing = [n for n in (COORDINATOR_COUNT, COORDINATOR_STREAM, COORDINATOR_IN_FLIGHT, COORDINATOR_RELEASE)
+               if not hasattr(coordinator, n)]
     if missing:
         raise ImportError(f"ds_odc supports deepspeed{SUPPORTED}: this DeepSpeed's parameter coordinator lacks "
                           f"{missing}. Install a supported version: pip install 'deepspeed>=0.19.8,<0.20'")
@@ -300,27 +309,47 @@ def no_rank_consistency_asserts():
         coordinator_module.assert_ints_same_as_other_ranks = stock
 
 
-# -- overrides -------------------------------------------------------------------------------------------------------
+@contextlib.contextmanager
+def no_persistent_refresh(optimizer):
+    """Why: stock's ``_post_step`` re-gathers the persistent parameters (``stage3_param_persistence_threshold``) from
+    the owners' updated shards, which under ODC are readable only after the step's publish; so the refresh is left
+    out there and done after publishing (``OdcOptimizer.step``)."""
+    listed = optimizer.persistent_parameters
+    optimizer.persistent_parameters = []
+    try:
+        yield
+    finally:
+        optimizer.persistent_parameters = listed
+
+
+# -- the coordinator's private state, read and written by OdcParamCoordinator and OdcOptimizer --------------------------
+def fetch_stream(coordinator):
+    """Why: the coordinator issues its gathers on a private stream that it orders the compute stream after."""
+    return getattr(coordinator, COORDINATOR_STREAM)
+
+
+def count_available(coordinator, numel: int) -> None:
+    """Why: the coordinator counts gathered elements privately (its prefetch budget reads the count)."""
+    setattr(coordinator, COORDINATOR_COUNT, getattr(coordinator, COORDINATOR_COUNT) + numel)
+
+
+def has_fetches_in_flight(coordinator) -> bool:
+    """Why: the coordinator's registry of gathers still in flight is private; stock's release waits for them."""
+    return bool(getattr(coordinator, COORDINATOR_IN_FLIGHT))
+
+
+def release_function(coordinator):
+    """Why: the coordinator releases a gathered parameter (and uncounts it) through a private method."""
+    return getattr(coordinator, COORDINATOR_RELEASE)
+
+
+# -- overrides: each forwards to a named method (see the module docstring) -------------------------------------------
 class CoordinatorSeams:
-    """The private ``PartitionedParameterCoordinator`` members ODC overrides (``self.odc``: the OdcState)."""
+    """The private ``PartitionedParameterCoordinator`` members ODC overrides (on ``OdcParamCoordinator``)."""
 
     def _PartitionedParameterCoordinator__all_gather_params_(self, params, forward, quantize=False):
-        # Why: the coordinator's one all-gather site, for fetches and prefetches alike; ODC reads the owners' shards
-        # one-sidedly on the coordinator's fetch stream and counts them where it counts gathered elements. The reads
-        # are not registered as in flight: every fetch_sub_module ends by ordering the compute stream after the fetch
-        # stream, so the per-parameter wait that registering buys (a stream switch and an event per parameter, per
-        # block, per microbatch) adds only host time.
-        from deepspeed.accelerator import get_accelerator
-        from deepspeed.runtime.zero.partition_parameters import ZeroParamStatus
-        if quantize:
-            raise RuntimeError("ds_odc: quantized parameter fetches are not supported with ODC")
-        todo = [p for p in params if p.ds_status == ZeroParamStatus.NOT_AVAILABLE]
-        if not todo:
-            return
-        setattr(self, _COORD + "n_available_params",
-                getattr(self, _COORD + "n_available_params") + sum(p.ds_numel for p in todo))
-        with get_accelerator().stream(getattr(self, _COORD + "allgather_stream")):
-            self.odc.fetch(todo).wait()
+        # Why: the coordinator's one all-gather site, for fetches and prefetches alike.
+        self.fetch_params(params, quantize)
 
     def reset_step(self) -> None:
         # Why: see no_rank_consistency_asserts.
@@ -328,32 +357,8 @@ class CoordinatorSeams:
             super().reset_step()
 
 
-class _SettlingDict(dict):
-    """``averaged_gradients``: reading an entry lands this minibatch's pushes first (writing one does not)."""
-
-    def __init__(self, values, settle):
-        super().__init__(values)
-        self._settle = settle
-
-    def __getitem__(self, key):
-        self._settle("reading optimizer.averaged_gradients")
-        return super().__getitem__(key)
-
-    def get(self, key, default=None):
-        self._settle("reading optimizer.averaged_gradients")
-        return super().get(key, default)
-
-    def items(self):
-        self._settle("reading optimizer.averaged_gradients")
-        return super().items()
-
-    def values(self):
-        self._settle("reading optimizer.averaged_gradients")
-        return super().values()
-
-
 class Stage3Seams:
-    """The ``DeepSpeedZeroOptimizer_Stage3`` members ODC overrides (``self.odc``: the OdcState;
+    """The ``DeepSpeedZeroOptimizer_Stage3`` members ODC overrides (on ``OdcOptimizer``; ``self.odc``: its OdcState;
     ``self.coordinator_class``: the coordinator subclass, given by the optimizer so that this module imports neither)."""
 
     def initialize_ds_offload(self, *args, **kwargs):
@@ -363,15 +368,8 @@ class Stage3Seams:
         return offload
 
     def _set_fp16_partitioned_groups_flat(self):
-        # Why: right after ``lp_param_buffer`` (all trainable shards, flat) is built and before anything aliases it,
-        # so the shards can move into symmetric memory that peers read.
-        device = self.device if isinstance(self.device, torch.device) else torch.device(self.device)
-        self.odc.connect(device, self.dp_process_group)
-        params = list(itertools.chain.from_iterable(self.fp16_groups))
-        self.lp_param_buffer = self.odc.place_trainable(params, self.lp_param_buffer)
-        self.odc.sync_replicas([self.odc.trainable])  # before stage 3 copies the fp32 master weights from them
-        for param in params:
-            bind_param_methods(param, self.odc)
+        # Why: right after ``lp_param_buffer`` (all trainable shards, flat) is built and before anything aliases it.
+        self.place_trainable_shards()
         super()._set_fp16_partitioned_groups_flat()
 
     def _DeepSpeedZeroOptimizer_Stage3__avg_scatter_grads(self, params, communication_data_type):
@@ -380,65 +378,34 @@ class Stage3Seams:
         return [None] * len(params)
 
     def partition_grads(self, params_to_release, grad_partitions) -> list:
-        # Why: stock copies (or adds) the reduce-scattered slice into the local partition; ODC's pushes already went
-        # to the owners, so only the full gradients are freed (once the stream that pushes them has read them).
-        from deepspeed.accelerator import get_accelerator
-        stream = get_accelerator().current_stream()  # None where the device has no streams (CPU)
-        for param in params_to_release:
-            if param.grad is not None and stream is not None:
-                param.grad.record_stream(stream)
-            param.grad = None
+        # Why: stock copies (or adds) the reduce-scattered slice into the local partition; ODC pushed it already.
+        self.release_full_gradients(params_to_release)
         return []
 
     def _partition_all_parameters(self):
-        # Why: stock walks every module twice and releases each gathered parameter through zero.Init's per-parameter
-        # closures, every step. Under ODC nothing is in flight at a step (reads are waited where they are issued), the
-        # engine already lists every ZeRO parameter, and a parameter that *is* its shard (one rank) is updated in
-        # place by the step, so it stays: only other gathered parameters are released.
-        from deepspeed.runtime.zero.partition_parameters import ZeroParamStatus
-        coordinator = self.parameter_offload.get_param_coordinator()
-        if getattr(coordinator, _COORD + "inflight_param_registry"):
-            return super()._partition_all_parameters()
-        release = getattr(coordinator, _COORD + "release_param")
-        for param in self.odc.params.values():
-            if param.ds_active_sub_modules:
-                param.ds_active_sub_modules.clear()
-            if param.ds_status != ZeroParamStatus.NOT_AVAILABLE and not self.odc.is_own_shard(param):
-                release(param)
-                if param.ds_status != ZeroParamStatus.NOT_AVAILABLE:
-                    raise RuntimeError(f"{param.ds_summary()} expected to be released")
+        # Why: stock walks every module twice and releases each gathered parameter through zero.Init's closures.
+        if not self.release_gathered_parameters():
+            super()._partition_all_parameters()
 
     def _get_norm_groups(self):
-        # Why: stock takes one norm per parameter (several tensor ops each, hundreds per step) over views of what
-        # under ODC is one flat fp32 accumulator, where each group's gradients are one contiguous range; ODC takes one
-        # norm per group, summed over the same process group, with stock's -1 for a non-finite norm.
-        from deepspeed import comm as dist
-        flats = [self.odc.accumulated(group) if all(p.requires_grad for p in group) else None
-                 for group in self.fp16_groups]
-        if any(flat is None for flat in flats):  # a frozen parameter in a trainable group: stock counts it as zeros
-            return super()._get_norm_groups()
-        norms = []
-        for group, flat in zip(self.fp16_groups, flats):
-            total = torch.linalg.vector_norm(flat, 2, dtype=torch.float32).square().reshape(1)
-            dist.all_reduce(total, op=dist.ReduceOp.SUM, group=self._get_param_partition_group(group[0]))
-            norm = total.sqrt().squeeze(0)
-            norms.append(torch.where(norm.isfinite(), norm, torch.full_like(norm, -1.0)))
-        return norms
+        # Why: stock takes one norm per parameter over views of what under ODC is one flat fp32 accumulator.
+        norms = self.gradient_norms()
+        return super()._get_norm_groups() if norms is None else norms
 
     def _post_step(self, timer_names):
-        # Why: stock re-gathers persistent params here, after the update; peers must have published theirs first.
-        self.odc.publish()
-        super()._post_step(timer_names)
+        # Why: see no_persistent_refresh.
+        with no_persistent_refresh(self):
+            super()._post_step(timer_names)
 
     @property
     def averaged_gradients(self):
         # Why: stage 3 and its users read gradients here between backward and step; under ODC they are complete only
-        # once the pushes landed.
+        # once the pushes landed (see OdcOptimizer.settled_on_read).
         return self.__dict__["_odc_averaged_gradients"]
 
     @averaged_gradients.setter
     def averaged_gradients(self, value):
-        self.__dict__["_odc_averaged_gradients"] = _SettlingDict(value, self.odc.settle)
+        self.__dict__["_odc_averaged_gradients"] = self.settled_on_read(value)
 
     def _get_fp32_grad_state_partition(self, param, release_swap_buffers):
         # Why: every safe_get/set_*_grad goes through here; the gradient must be complete before it is read or
