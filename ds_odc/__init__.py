@@ -59,6 +59,7 @@ def patch() -> None:
     from ds_odc.config import OdcZeroConfig
     from ds_odc.zero import _deepspeed_privates as privates
     from ds_odc.zero.blocks import fetch_by_block
+    from ds_odc.zero.engine import holds_replica
     from ds_odc.zero.hybrid import shard_group_for
     from ds_odc.zero.optimizer import OdcOptimizer
     from ds_odc.zero.validate import validate_engine
@@ -70,15 +71,11 @@ def patch() -> None:
         fetch_by_block(engine.module, zero_config, zero_config.odc.fetch_unit)
         return True
 
-    def is_replica(engine) -> bool:  # holds shards that the first shard group also holds (and writes)
-        groups = engine.optimizer.odc.groups if isinstance(engine.optimizer, OdcOptimizer) else None
-        return groups is not None and groups.layout.shard_index > 0
-
     privates.check_deepspeed()
     privates.install_config_model(OdcZeroConfig)
     privates.install_optimizer_hook(OdcOptimizer, prepare_engine)
     privates.install_zero_init_group(shard_group_for)
-    privates.install_checkpoint_writers(is_replica)
+    privates.install_checkpoint_writers(holds_replica)
     _patched = True
 
 

@@ -256,3 +256,52 @@ def test_no_private_name_crosses_modules():
     _assert_only_pending(_private_imports(), PENDING_PRIVATE_IMPORTS, "private names taken from another module",
                          "make them public (in the module's __all__) or keep the code that needs them in one module",
                          "PENDING_PRIVATE_IMPORTS")
+
+
+# What modules outside ds_odc/zero/ may use of an engine's optimizer: the documented public members of OdcOptimizer.
+# Everything else it holds (its OdcState ``odc``, DeepSpeed's buffers and groups, private names) is for ds_odc.zero
+# only; to ask for more, add a function that takes the engine to ds_odc/zero/engine.py.
+OPTIMIZER_SURFACE = {"odc_wait_s", "odc_resident"}
+ATTRIBUTE_BUILTINS = {"getattr", "hasattr", "setattr", "delattr"}
+
+
+def _is_optimizer(node: ast.AST) -> bool:
+    """A name or attribute that says it holds an optimizer: ``optimizer``, ``engine.optimizer``, ``self.ds_optimizer``."""
+    name = node.attr if isinstance(node, ast.Attribute) else node.id if isinstance(node, ast.Name) else ""
+    return "optimizer" in name.lower()
+
+
+def _optimizer_reaches(tree: ast.Module) -> list[tuple[int, str]]:
+    """(line, attribute) for every attribute read, written or looked up by name on an optimizer in ``tree``:
+    ``engine.optimizer.x``, ``optimizer._x``, ``getattr(engine.optimizer, "x", default)``."""
+    found = []
+    for node in ast.walk(tree):
+        if isinstance(node, ast.Attribute) and _is_optimizer(node.value):
+            found.append((node.lineno, node.attr))
+        elif (isinstance(node, ast.Call) and isinstance(node.func, ast.Name) and node.func.id in ATTRIBUTE_BUILTINS
+              and len(node.args) >= 2 and _is_optimizer(node.args[0])):
+            name = node.args[1]
+            found.append((node.lineno, name.value if isinstance(name, ast.Constant) else ast.unparse(name)))
+    return sorted(found)
+
+
+def test_the_optimizer_check_sees_every_kind_of_reach():
+    snippet = ast.parse("engine.optimizer.odc.groups\noptimizer._flag = 1\ngetattr(engine.optimizer, 'fp16_groups')\n"
+                        "hasattr(self.ds_optimizer, name)\nengine.optimizer.odc_wait_s\nengine.module.odc\n")
+    assert _optimizer_reaches(snippet) == [(1, "odc"), (2, "_flag"), (3, "fp16_groups"), (4, "name"),
+                                           (5, "odc_wait_s")]
+
+
+def test_the_optimizer_surface_is_documented_on_the_optimizer():
+    tree = _modules()["ds_odc.zero.optimizer"]
+    cls = next(n for n in tree.body if isinstance(n, ast.ClassDef) and n.name == "OdcOptimizer")
+    documented = {n.name for n in cls.body if isinstance(n, ast.FunctionDef) and ast.get_docstring(n)}
+    assert OPTIMIZER_SURFACE <= documented, f"not documented members of OdcOptimizer: {OPTIMIZER_SURFACE - documented}"
+
+
+def test_nothing_outside_zero_reaches_into_the_optimizer():
+    reaches = [f"{name}:{line} uses optimizer.{attr}" for name, tree in _modules().items()
+               if not (name == "ds_odc.zero" or name.startswith("ds_odc.zero."))
+               for line, attr in _optimizer_reaches(tree) if attr not in OPTIMIZER_SURFACE]
+    assert not reaches, (f"{reaches}: outside ds_odc/zero/ use only {sorted(OPTIMIZER_SURFACE)} of the optimizer, or a "
+                         "function of ds_odc.zero.engine that takes the engine (add one there if you need more)")
