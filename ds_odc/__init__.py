@@ -27,6 +27,8 @@ _LAZY_EXPORTS = {
     "global_mean_weight": "ds_odc.training.loss",
     "token_loss_sum": "ds_odc.training.loss",
     "count_loss_tokens": "ds_odc.training.loss",
+    "tag_minibatch": "ds_odc.zero.engine",
+    "MinibatchMismatch": "ds_odc.zero.minibatch",
 }
 __all__ = [*_LAZY_EXPORTS, "patch", "__version__"]
 

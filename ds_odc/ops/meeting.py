@@ -9,6 +9,11 @@ missing, raises and exits, the store goes with it, and the others must still nam
 the one that left last. Each rank also posts a pulse (a counter a background thread advances) so that, when a dead
 peer's closed connection fails the barrier at once, a rank still on its way (pulse advancing) is told from one that
 is gone or stopped (pulse still), without waiting out the timeout.
+
+A meeting may carry a short *note* from every rank (what each believes the meeting is about, e.g. which minibatch
+it is stepping): posted with the arrival count, in one request, and read back from the store once everyone has
+arrived, in one more; the caller compares them. Notes live in two slots per rank that alternate from one meeting to
+the next, so a fast rank's next note never overwrites one a slow rank has still to read.
 """
 
 from __future__ import annotations
@@ -21,7 +26,7 @@ from datetime import timedelta
 
 import torch.distributed as dist
 
-from ds_odc.ops.transport import FenceTimeout
+from ds_odc.ops.transport import FenceTimeout, OdcError
 
 __all__ = ["Meeting", "control_group"]
 
@@ -96,8 +101,8 @@ class Meeting:
             if store is None:
                 host, port = where[0]
                 store = dist.TCPStore(host, port, None, False, timedelta(seconds=self.timeout_s))
-            store.set(self._key(self.rank), "0")
-            store.set(self._pulse_key(self.rank), "0")
+            store.multi_set([self._key(self.rank), self._pulse_key(self.rank), self._note_key(self.rank, 0),
+                             self._note_key(self.rank, 1)], ["0", "0", "0|", "0|"])
         except Exception:  # noqa: BLE001
             store = None
         ok = [store is not None]
@@ -113,12 +118,24 @@ class Meeting:
     def _pulse_key(rank: int) -> str:
         return f"ds_odc/pulse/{rank}"
 
-    def __call__(self, what: str, timeout_s: float | None = None) -> None:
-        """Wait until every rank has arrived at this meeting, or raise :class:`FenceTimeout` naming the others."""
+    @staticmethod
+    def _note_key(rank: int, arrival: int) -> str:
+        return f"ds_odc/note/{rank}/{arrival % 2}"
+
+    def __call__(self, what: str, timeout_s: float | None = None,
+                 note: str | None = None) -> dict[int, str | None] | None:
+        """Wait until every rank has arrived at this meeting, or raise :class:`FenceTimeout` naming the others.
+
+        With ``note`` (a short string; "" for none), return every rank's note by job rank (``None`` for a rank that
+        posted none at this meeting); None when no note was given or this meeting has no store to carry notes."""
         self.arrivals += 1
         timeout = self.timeout_s if timeout_s is None else timeout_s
         if self.store is not None:
-            self.store.set(self._key(self.rank), str(self.arrivals))
+            if note is None:
+                self.store.set(self._key(self.rank), str(self.arrivals))
+            else:
+                self.store.multi_set([self._key(self.rank), self._note_key(self.rank, self.arrivals)],
+                                     [str(self.arrivals), f"{self.arrivals}|{note}"])
         watch = _Watch(self) if self.store is not None else None
         deadline = time.monotonic() + timeout
         try:
@@ -134,6 +151,33 @@ class Meeting:
                 f"(backend said: {str(err).strip()[:300]})", missing) from err
         if watch is not None:
             watch.stop()
+        if note is None or self.store is None:
+            return None
+        try:
+            return self._notes()
+        except OdcError:
+            raise
+        except Exception as err:  # noqa: BLE001 - a store that answered a moment ago: its host has died
+            raise OdcError(f"ds_odc: rank {self.job_ranks[self.rank]}: after {what}, the ranks' notes could not be "
+                           f"read from the meeting's store on rank {self.job_ranks[0]}: that rank has probably died; "
+                           f"look at its log. ({err})") from err
+
+    def _notes(self) -> dict[int, str | None]:
+        """Every rank's note of this meeting (after everyone arrived). When they differ the callers will fail, and the
+        store lives in the group's first rank: that rank keeps it up until every rank has read the notes."""
+        posted = self.store.multi_get([self._note_key(r, self.arrivals) for r in range(self.world_size)])
+        notes = {}
+        for r, value in enumerate(posted):
+            arrival, _, text = value.decode().partition("|")
+            notes[self.job_ranks[r]] = text if int(arrival) == self.arrivals else None
+        if len(set(notes.values())) > 1:
+            read = f"ds_odc/notes_read/{self.arrivals}"
+            count = self.store.add(read, 1)
+            deadline = time.monotonic() + _STORE_REPLY_S
+            while self.rank == 0 and count < self.world_size and time.monotonic() < deadline:
+                time.sleep(0.05)
+                count = self.store.add(read, 0)
+        return notes
 
     def counts(self, reply_s: float | None = None) -> dict[int, int]:
         """Every rank's posted arrival count, by rank in this group (raises if the store does not answer)."""

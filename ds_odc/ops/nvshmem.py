@@ -306,16 +306,17 @@ class NvshmemTransport(Transport):
             self.lib.quiet_on_stream(torch.cuda.current_stream(self.device).cuda_stream)
         torch.cuda.synchronize(self.device)  # every stream: pushes issued on the reduce stream are covered too
 
-    def _arrive(self, what: str) -> None:
+    def _arrive(self, what: str, note: str | None = None) -> dict[int, str | None] | None:
         try:
-            self.meet(what)
+            return self.meet(what, note=note)
         except BaseException:
             self._broken = True  # peers may be gone: never enter another collective NVSHMEM call (it would hang)
             raise
 
-    def fence(self, accumulators: Sequence[NvshmemBuffer], what: str = "the fence at the optimizer step") -> None:
+    def fence(self, accumulators: Sequence[NvshmemBuffer], what: str = "the fence at the optimizer step",
+              note: str | None = None) -> dict[int, str | None] | None:
         self._complete_local_work()
-        self._arrive(what)
+        notes = self._arrive(what, note)
         for acc in accumulators:
             slots = acc.staging_view
             if slots is None:
@@ -323,6 +324,7 @@ class NvshmemTransport(Transport):
             for s in range(slots.shape[0]):  # fixed source order: bit-reproducible sums
                 acc.local.add_(slots[s])
             slots.zero_()
+        return notes
 
     def barrier(self, what: str = "the barrier after the optimizer step") -> None:
         # Zeroed accumulators and updated shards must be in memory before any peer pushes or reads again.

@@ -166,13 +166,15 @@ class ShmTransport(Transport):
         for i, start, n, slot in plan.adds:
             slot.add_(inputs[i].narrow(0, start, n).to(dtype), alpha=scale)
 
-    def fence(self, accumulators: Sequence[ShmBuffer], what: str = "the fence at the optimizer step") -> None:
-        self.meet(what)
+    def fence(self, accumulators: Sequence[ShmBuffer], what: str = "the fence at the optimizer step",
+              note: str | None = None) -> dict[int, str | None] | None:
+        notes = self.meet(what, note=note)
         for acc in accumulators:
             slots = acc.slots[self.rank]
             for source in range(self.world_size):  # fixed order: bit-reproducible sums
                 acc.local.add_(slots[source])
             slots.zero_()
+        return notes
 
     def barrier(self, what: str = "the barrier after the optimizer step") -> None:
         self.meet(what)

@@ -20,7 +20,8 @@ Semantics every implementation keeps:
   does nothing to serve it. Contributions from any number of ranks, in any order, sum exactly as the fence defines.
 * ``fence`` is collective: when it returns, every rank has arrived, and every accumulation issued (by any rank)
   into this rank's accumulators before that rank arrived is in ``accumulator.local``. A rank that does not arrive
-  within the timeout makes the others raise :class:`FenceTimeout` naming it.
+  within the timeout makes the others raise :class:`FenceTimeout` naming it. It may carry a short note from every
+  rank (see :class:`~ds_odc.ops.meeting.Meeting`), which it returns.
 * ``barrier`` is collective with the same timeout and naming; it publishes: whatever a rank wrote into its buffers
   before it arrived is what peers read after it returns.
 """
@@ -127,9 +128,11 @@ class Transport(ABC):
         reused once that stream has passed them."""
 
     @abstractmethod
-    def fence(self, accumulators: Sequence[SymmetricBuffer], what: str = "the fence at the optimizer step") -> None:
+    def fence(self, accumulators: Sequence[SymmetricBuffer], what: str = "the fence at the optimizer step",
+              note: str | None = None) -> dict[int, str | None] | None:
         """Collective arrival that completes every push (see the module docstring). ``what`` names the occasion in
-        the error raised when a peer does not arrive."""
+        the error raised when a peer does not arrive. With ``note``: every rank's note, by job rank (None when notes
+        cannot travel), as :class:`~ds_odc.ops.meeting.Meeting` returns them."""
 
     @abstractmethod
     def barrier(self, what: str = "the barrier after the optimizer step") -> None:

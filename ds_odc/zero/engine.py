@@ -5,9 +5,32 @@ The optimizer's own public members are :attr:`~ds_odc.zero.optimizer.OdcOptimize
 
 from __future__ import annotations
 
+from typing import Any
+
+from ds_odc.zero.minibatch import MinibatchTag
 from ds_odc.zero.optimizer import OdcOptimizer
 
-__all__ = ["holds_replica"]
+__all__ = ["tag_minibatch", "holds_replica"]
+
+
+def tag_minibatch(engine, batch: Any = None, *, epoch: int | None = None, step: int | None = None,
+                  label_tokens: int | None = None) -> None:
+    """Say which minibatch ``engine``'s next ``engine.step()`` trains, so that the step's meeting checks every rank
+    is on the same one: ``batch``, the sampler's :class:`~ds_odc.balancer.RankBatch` (its ``epoch``, ``step`` and
+    ``num_label_tokens``), and/or the numbers themselves (they override the batch's; ``label_tokens``: the global
+    count given to ``global_mean_weight``). Call it on every rank, once per minibatch, before its first microbatch,
+    also on a rank that has no microbatch in it. Ranks on different minibatches then all raise
+    :class:`~ds_odc.zero.minibatch.MinibatchMismatch` at that step, naming the odd ones, instead of one update
+    silently mixing two minibatches. Costs nothing measurable (the tag travels with the step's meeting). Does
+    nothing for an engine without ODC."""
+    optimizer = getattr(engine, "optimizer", None)
+    if not isinstance(optimizer, OdcOptimizer):
+        return
+    if batch is not None:
+        epoch = batch.epoch if epoch is None else epoch
+        step = batch.step if step is None else step
+        label_tokens = batch.num_label_tokens if label_tokens is None else label_tokens
+    optimizer.odc.tag_minibatch(MinibatchTag(epoch, step, label_tokens))
 
 
 def holds_replica(engine) -> bool:

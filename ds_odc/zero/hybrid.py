@@ -201,8 +201,8 @@ class Replicas:
         self.complete = False  # summed over the replicas, and nothing pushed since
         self.sum_s = 0.0  # seconds the last sum took
 
-    def meet(self, what: str) -> None:
-        self.everyone(what)
+    def meet(self, what: str, note: str | None = None) -> dict[int, str | None] | None:
+        return self.everyone(what, note=note)
 
     def sum_(self, accumulator: torch.Tensor) -> None:
         """``accumulator`` (this shard group's sum) becomes the sum over every shard group, on every replica."""

@@ -104,8 +104,7 @@ class OdcOptimizer(privates.Stage3Seams, DeepSpeedZeroOptimizer_Stage3):
         """Fence -> DeepSpeed's step -> publish -> refresh the persistent parameters. The only caller of
         ``OdcState.publish``, also when stock skips the update (non-finite gradients)."""
         with profiled("ds_odc::step"):
-            self.odc.start_step()
-            self.odc.fence()
+            self.odc.start_step()  # the fence (and the tagged minibatch's check)
             self.present_gradients()
             super().step(closure)
             self.odc.publish()

@@ -5,7 +5,8 @@ the update itself); :class:`OdcState` decides *how*, in four operations:
 
 * :meth:`fetch` (hop one): assemble full parameters from the owners' shards with one-sided reads;
 * :meth:`push` (hop two): add this rank's gradient slices into the owners' fp32 accumulators, one-sidedly;
-* :meth:`fence` (hop three): the step's meeting, after which every push has landed;
+* :meth:`fence` (hop three): the step's meeting, after which every push has landed (at the optimizer step,
+  :meth:`start_step`, the ranks also compare the minibatch the loop tagged: :mod:`ds_odc.zero.minibatch`);
 * :meth:`publish`: empty the accumulators and meet again, so the updated shards are what peers read next.
 
 It is reached from DeepSpeed only through ``_deepspeed_privates`` (which forwards to it and is never called back)
@@ -33,6 +34,7 @@ from dataclasses import dataclass
 from typing import Callable, Iterable, Sequence
 
 import torch
+import torch.distributed as dist
 from deepspeed.runtime.zero.partition_parameters import ZeroParamStatus
 from torch.profiler import record_function
 
@@ -40,6 +42,7 @@ from ds_odc.config import OdcConfig
 from ds_odc.ops import make_transport
 from ds_odc.ops.transport import GatherPlan, OdcError, ScatterPlan, Segment, SymmetricBuffer, Transport
 from ds_odc.zero.hybrid import HybridGroups, Replicas
+from ds_odc.zero.minibatch import MinibatchTag, check_same_minibatch
 
 __all__ = ["OdcState", "Phase", "FetchHandle", "ShardPlace", "GradPlace", "FetchPlan", "Accumulation", "profiled"]
 
@@ -131,6 +134,7 @@ class OdcState:
         self.accumulation: Accumulation = lambda: ("implicit", True)
         self.wait_s = 0.0  # time the last step waited for peers (fence + publish): metrics read it
         self.phase = Phase.IDLE  # every step publishes exactly once, on every rank, which returns it to IDLE
+        self.minibatch: MinibatchTag | None = None  # what the loop says the next step trains (None: untagged)
         self._fetch_plans: dict[tuple[int, ...], FetchPlan] = {}
         self._push_plans: dict[tuple[int, ...], ScatterPlan] = {}
 
@@ -305,19 +309,27 @@ class OdcState:
             self.phase = Phase.ACCUMULATING
 
     # -- hop three: the step ------------------------------------------------------------------------------------------
-    def fence(self, what: str = "the fence at the optimizer step") -> None:
+    def tag_minibatch(self, tag: MinibatchTag) -> None:
+        """The minibatch the next optimizer step trains, as this rank's loop sees it (checked at that step)."""
+        self.minibatch = tag
+
+    def fence(self, what: str = "the fence at the optimizer step",
+              note: str | None = None) -> dict[int, str | None] | None:
         """Meet every rank; afterwards every push issued before any rank arrived is in the accumulator (with hybrid
-        sharding: summed over every shard group)."""
+        sharding: summed over every shard group). ``note``: posted with the arrival; every rank's note is returned
+        (:class:`~ds_odc.ops.meeting.Meeting`)."""
         started = time.perf_counter()
         with profiled("ds_odc::fence"):
             if self.replicas is not None:
-                self.replicas.meet(what)  # the whole job: names a missing rank in any group, on every rank
-            self.transport.fence([self.accumulator], what)
-            if self.replicas is not None:
+                notes = self.replicas.meet(what, note)  # the whole job: names a missing rank in any group, everywhere
+                self.transport.fence([self.accumulator], what)
                 self.replicas.sum_(self.accumulator.local)
+            else:
+                notes = self.transport.fence([self.accumulator], what, note)
         self.wait_s += time.perf_counter() - started
         if self.phase is Phase.ACCUMULATING:
             self.phase = Phase.SETTLED
+        return notes
 
     def publish(self) -> None:
         """Empty the accumulator and meet the other ranks, so that nobody reads a shard before its owner updated it
@@ -332,8 +344,14 @@ class OdcState:
         self.phase = Phase.IDLE
 
     def start_step(self) -> None:
+        """The optimizer step begins with its fence, where the ranks also check they step the same minibatch (when
+        the loop tagged it); from here to :meth:`publish` DeepSpeed's step uses the gradients."""
         self.wait_s = 0.0
         self.phase = Phase.STEPPING
+        tag, self.minibatch = self.minibatch, None
+        notes = self.fence("the fence at the optimizer step", note="" if tag is None else tag.encode())
+        if notes is not None:
+            check_same_minibatch(notes, dist.get_rank())
 
     # -- gradients and shards touched outside the step (stock semantics) ---------------------------------------------
     def settle(self, why: str) -> None:

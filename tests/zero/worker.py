@@ -13,7 +13,7 @@ import time
 
 import torch
 
-import ds_odc  # noqa: F401  (installs the odc config key before any engine is built)
+import ds_odc  # installs the odc config key before any engine is built
 from ds_odc.training.loss import global_mean_weight, token_loss_sum
 from _support.launch import emit, init_test_ranks
 from ds_odc.training.distributed import shutdown_and_exit
@@ -37,17 +37,24 @@ def build(model, config):
     return engine
 
 
-def train_uneven(engine, counts, steps, managed=False, step_offset=0, stall=None, before_microbatch=None):
+def train_uneven(engine, counts, steps, managed=False, step_offset=0, stall=None, before_microbatch=None, tag=False,
+                 skip_step=None, progress=None):
     """Rank r runs counts[r] microbatches (one sample each) of every global minibatch; loss = global token mean.
-    ``before_microbatch(step, i)`` runs before each of this rank's microbatches (to delay it)."""
+    ``before_microbatch(step, i)`` runs before each of this rank's microbatches (to delay it). ``tag``: tag every
+    minibatch (``ds_odc.tag_minibatch``); ``skip_step(step)``: True where this rank forgets ``engine.step()`` (a bug
+    to be caught); ``progress``: a dict told the step under way and when it started."""
     rank, world = rank_world()
     total = sum(counts)
     first = sum(counts[:rank])
     losses = []
     for step in range(step_offset, step_offset + steps):
+        if progress is not None:
+            progress.update(step=step, started=time.monotonic())
         samples = minibatch(step, total)
         n_tokens = sum(s.numel() - 1 for s in samples)
         weight = global_mean_weight(n_tokens, world)
+        if tag:
+            ds_odc.tag_minibatch(engine, epoch=0, step=step, label_tokens=n_tokens)
         mine = samples[first:first + counts[rank]]
         local = 0.0
         for i, s in enumerate(mine):
@@ -60,12 +67,13 @@ def train_uneven(engine, counts, steps, managed=False, step_offset=0, stall=None
             local += loss.item() / world
             if managed:
                 engine.step()
-        if managed and not mine:
+        forgets = skip_step is not None and skip_step(step)
+        if managed and not mine and not forgets:
             engine.set_gradient_accumulation_boundary(True)
             engine.step()
         if stall is not None:
             stall(step)
-        if not managed:
+        if not managed and not forgets:
             engine.step()
         losses.append(local)
     return losses
@@ -136,7 +144,7 @@ def scenario_uneven(args):
         in_flight.append(len(registry))  # prefetches stock would leave for a per-parameter wait later
 
     coordinator.fetch_sub_module = counted_fetch
-    train_uneven(engine, counts, args.steps, managed=args.managed)
+    train_uneven(engine, counts, args.steps, managed=args.managed, tag=args.tag)
     odc = full_params(engine)
     if rank == 0:
         emit({"max_rel_diff": max_rel_diff(odc, full_params(ref_model)), "ref_losses": ref_losses,
@@ -276,6 +284,25 @@ def scenario_fence_timeout(args):
         emit({"error_type": None})
 
 
+def scenario_skipped_step(args):
+    """Rank ``--victim`` has no microbatch in any minibatch (``--counts``) and forgets ``engine.step()`` at step 1. Every
+    rank reports the error it raised, the step it was in and how long into that step."""
+    rank, world = rank_world()
+    counts = [int(c) for c in args.counts.split(",")]
+    engine = build(tiny_llama(), ds_config({"enabled": True, "timeout_s": args.timeout}, managed=args.managed,
+                                           optimizer="sgd"))
+    progress = {}
+    try:
+        train_uneven(engine, counts, args.steps, managed=args.managed, tag=args.tag, progress=progress,
+                     skip_step=lambda step: rank == args.victim and step == 1)
+    except Exception as err:  # noqa: BLE001 - the point is to report it
+        emit({"rank": rank, "error_type": type(err).__name__, "error": str(err), "step": progress["step"],
+              "after_s": time.monotonic() - progress["started"],
+              "ranks": getattr(err, "ranks", getattr(err, "missing_ranks", None))})
+        os._exit(3)
+    emit({"rank": rank, "error_type": None, "steps": progress["step"] + 1})
+
+
 def scenario_fault(args):
     """Rank 1 dies (SIGKILL) right after it issues a gradient push (``--fault kill-push``) or a parameter read
     (``kill-fetch``) of step 1, or stops (SIGSTOP, ``stop``) there. Every other rank must raise at its next meeting an
@@ -360,6 +387,7 @@ def main():
     parser.add_argument("--steps", type=int, default=3)
     parser.add_argument("--clip", type=float, default=0.0)
     parser.add_argument("--managed", action="store_true")
+    parser.add_argument("--tag", action="store_true", help="tag every minibatch (ds_odc.tag_minibatch)")
     parser.add_argument("--frozen", action="store_true")
     parser.add_argument("--timeout", type=float, default=10.0)
     parser.add_argument("--kill", action="store_true")
@@ -380,7 +408,7 @@ def main():
     args = parser.parse_args()
     if args.scenario == "collectives":
         count_collectives()
-    init_ranks(timeout_s=60 if args.scenario != "fence_timeout" else args.timeout * 2)
+    init_ranks(timeout_s=args.timeout * 2 if args.scenario in ("fence_timeout", "skipped_step") else 60)
     globals()[f"scenario_{args.scenario}"](args)
     shutdown_and_exit()
 
