@@ -13,7 +13,8 @@ is gone or stopped (pulse still), without waiting out the timeout.
 A meeting may carry a short *note* from every rank (what each believes the meeting is about, e.g. which minibatch
 it is stepping): posted with the arrival count, in one request, and read back from the store once everyone has
 arrived, in one more; the caller compares them. Notes live in two slots per rank that alternate from one meeting to
-the next, so a fast rank's next note never overwrites one a slow rank has still to read.
+the next, so a fast rank's next note never overwrites one a slow rank has still to read. A rank that finishes (its
+engine destroyed, or :func:`leave_meetings` at shutdown) says so in the store, and a meeting it misses says so too.
 """
 
 from __future__ import annotations
@@ -22,19 +23,28 @@ import os
 import socket
 import threading
 import time
+import weakref
 from datetime import timedelta
 
 import torch.distributed as dist
 
 from ds_odc.ops.transport import FenceTimeout, OdcError
 
-__all__ = ["Meeting", "control_group"]
+__all__ = ["Meeting", "control_group", "leave_meetings"]
 
 _STORE_REPLY_S = 5.0  # how long the post-mortem may wait for the store when a meeting has already failed
 _WATCH_AFTER_S = 1.0  # a meeting still waiting after this long starts reading who has arrived
 _WATCH_EVERY_S = 0.5
 _PULSE_EVERY_S = 0.5
 _STILL_AFTER_S = 3.0  # a pulse that has not moved for this long: the rank is dead or stopped
+_LIVE: weakref.WeakSet = weakref.WeakSet()  # this process's meetings (that have a store), for leave_meetings
+
+
+def leave_meetings(why: str) -> None:
+    """Tell the other ranks of every meeting of this process that this rank will not come again (``why``: what it
+    did, e.g. "reached shutdown()"), so that a meeting they wait in names it as finished rather than as late."""
+    for meeting in list(_LIVE):
+        meeting.leave(why)
 
 
 def control_group(process_group=None):
@@ -76,10 +86,12 @@ class Meeting:
                           [dist.get_global_rank(self.group, r) for r in range(self.world_size)])
         self.timeout_s = timeout_s
         self.arrivals = 0
+        self.left: str | None = None  # what this rank said when it left (leave)
         self.store = self._open_store()
         if self.store is not None:
             threading.Thread(target=_advance_pulse, args=(self.store, self._pulse_key(self.rank)), name="ds_odc-pulse",
                              daemon=True).start()
+            _LIVE.add(self)
 
     def _open_store(self):
         """A TCP store on the group's first rank, where each rank posts how many meetings it has reached. Optional: if
@@ -122,6 +134,10 @@ class Meeting:
     def _note_key(rank: int, arrival: int) -> str:
         return f"ds_odc/note/{rank}/{arrival % 2}"
 
+    @staticmethod
+    def _left_key(rank: int) -> str:
+        return f"ds_odc/left/{rank}"
+
     def __call__(self, what: str, timeout_s: float | None = None,
                  note: str | None = None) -> dict[int, str | None] | None:
         """Wait until every rank has arrived at this meeting, or raise :class:`FenceTimeout` naming the others.
@@ -144,11 +160,18 @@ class Meeting:
             seen = watch.stop() if watch is not None else None
             missing = self.missing(seen, until=deadline)
             who = f"ranks {missing} did not arrive" if missing else "a peer did not arrive or died"
+            left = self.departures(missing)
+            if left:
+                who += "; " + "; ".join(f"rank {r} will not come: it has finished ({why})" for r, why in left.items())
+                advice = ("A rank that finishes while the others still meet took fewer optimizer steps than they did: "
+                          "every rank must call engine.step() once per minibatch, also when it has no microbatch in "
+                          "it (k == 0), and every rank must train the same number of minibatches.")
+            else:
+                advice = ("Look at the logs of those ranks; if their minibatch is legitimately longer, raise "
+                          "zero_optimization.odc.timeout_s.")
             raise FenceTimeout(
                 f"ds_odc: rank {self.job_ranks[self.rank]}: {what} did not complete within {timeout:g} s: {who}. "
-                f"Look at the logs of those ranks; if their minibatch is legitimately longer, raise "
-                f"zero_optimization.odc.timeout_s. "
-                f"(backend said: {str(err).strip()[:300]})", missing) from err
+                f"{advice} (backend said: {str(err).strip()[:300]})", missing) from err
         if watch is not None:
             watch.stop()
         if note is None or self.store is None:
@@ -179,6 +202,30 @@ class Meeting:
                 count = self.store.add(read, 0)
         return notes
 
+    def leave(self, why: str) -> None:
+        """This rank will not come to this meeting again (``why``: what it did, the first one told); see
+        :func:`leave_meetings`."""
+        if self.store is not None and self.left is None:
+            self.left = why
+            try:
+                self.store.set(self._left_key(self.rank), why)
+            except Exception:  # noqa: BLE001 - the store only improves error messages
+                pass
+
+    def departures(self, ranks: list[int]) -> dict[int, str]:
+        """Of ``ranks`` (job ranks), those that said they left, with what they did (empty when that cannot be told)."""
+        if self.store is None or not ranks:
+            return {}
+        found = {}
+        try:
+            self.store.set_timeout(timedelta(seconds=_STORE_REPLY_S))
+            for r in range(self.world_size):
+                if self.job_ranks[r] in ranks and self.store.check([self._left_key(r)]):
+                    found[self.job_ranks[r]] = self.store.get(self._left_key(r)).decode()
+        except Exception:  # noqa: BLE001 - the store's host may be gone
+            pass
+        return found
+
     def counts(self, reply_s: float | None = None) -> dict[int, int]:
         """Every rank's posted arrival count, by rank in this group (raises if the store does not answer)."""
         if reply_s is not None:
@@ -202,16 +249,20 @@ class Meeting:
                     return [self.job_ranks[0]] if self.rank != 0 else []
                 counts, until = seen, None
             behind = [r for r in range(self.world_size) if r != self.rank and counts.get(r, 0) < self.arrivals]
-            if not behind or until is None or time.monotonic() >= until or self._all_still(behind, pulses):
+            if not behind or until is None or time.monotonic() >= until or self._none_coming(behind, pulses):
                 return [self.job_ranks[r] for r in behind]
             seen = counts
             time.sleep(_WATCH_EVERY_S)
 
-    def _all_still(self, ranks: list[int], pulses: dict[int, tuple[str, float]]) -> bool:
-        """Whether none of ``ranks`` has moved its pulse for ``_STILL_AFTER_S`` (``pulses`` keeps what was read)."""
+    def _none_coming(self, ranks: list[int], pulses: dict[int, tuple[str, float]]) -> bool:
+        """Whether each of ``ranks`` has left (:meth:`leave`) or not moved its pulse for ``_STILL_AFTER_S``
+        (``pulses`` keeps what was read)."""
         now = time.monotonic()
         try:
             for r in ranks:
+                if self.store.check([self._left_key(r)]):
+                    pulses[r] = ("left", float("-inf"))
+                    continue
                 beat = self.store.get(self._pulse_key(r)).decode()
                 if r not in pulses or pulses[r][0] != beat:
                     pulses[r] = (beat, now)

@@ -331,6 +331,9 @@ class NvshmemTransport(Transport):
         self._complete_local_work()
         self._arrive(what)
 
+    def leave(self, why: str) -> None:
+        self.meet.leave(why)
+
     def close(self) -> None:
         if self.lib is None:
             return

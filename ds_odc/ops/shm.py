@@ -179,5 +179,8 @@ class ShmTransport(Transport):
     def barrier(self, what: str = "the barrier after the optimizer step") -> None:
         self.meet(what)
 
+    def leave(self, why: str) -> None:
+        self.meet.leave(why)
+
     def close(self) -> None:
         self._unlink_pending()

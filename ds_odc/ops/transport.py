@@ -143,6 +143,9 @@ class Transport(ABC):
         for acc in accumulators:
             acc.local.zero_()
 
+    def leave(self, why: str) -> None:
+        """This rank will not meet again (``why``: what it did): a meeting the others wait in says so."""
+
     def close(self) -> None:
         """Release everything allocated. Called at teardown (and at interpreter exit)."""
 

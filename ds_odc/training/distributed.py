@@ -124,8 +124,12 @@ def init_distributed(timeout_s: float | None = None, *, shared_gpu: bool | None 
 
 
 def shutdown() -> None:
-    """Wait for every rank, then destroy the process group."""
+    """Wait for every rank, then destroy the process group. Ranks still meeting at an ODC step are told that this one
+    has finished, so that the error they raise says so (a rank that took fewer steps)."""
     import torch.distributed as dist
+
+    from ds_odc.ops.meeting import leave_meetings
+    leave_meetings("reached shutdown()")
     if dist.is_initialized():
         dist.barrier()
         dist.destroy_process_group()

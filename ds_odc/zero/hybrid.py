@@ -204,6 +204,9 @@ class Replicas:
     def meet(self, what: str, note: str | None = None) -> dict[int, str | None] | None:
         return self.everyone(what, note=note)
 
+    def leave(self, why: str) -> None:
+        self.everyone.leave(why)
+
     def sum_(self, accumulator: torch.Tensor) -> None:
         """``accumulator`` (this shard group's sum) becomes the sum over every shard group, on every replica."""
         started = time.perf_counter()

@@ -198,6 +198,10 @@ class OdcOptimizer(privates.Stage3Seams, DeepSpeedZeroOptimizer_Stage3):
         self.odc.check_shards_in_place(self._trainable())
         self.odc.publish_writes("loading a checkpoint")
 
+    def destroy(self):
+        self.odc.leave("destroyed its engine")
+        super().destroy()
+
     # -- things ODC does not do ------------------------------------------------------------------------------------
     def offload_states(self, *args, **kwargs):
         raise NotImplementedError("ds_odc: offload_states() is not supported with ODC (it moves the symmetric "

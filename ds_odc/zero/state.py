@@ -429,6 +429,13 @@ class OdcState:
                 raise OdcError("ds_odc: a checkpoint load moved parameter shards out of symmetric memory; this "
                                "DeepSpeed version is not supported with ODC")
 
+    def leave(self, why: str) -> None:
+        """This rank will not meet again (its engine is gone): a meeting the others wait in says so."""
+        if self.transport is not None:
+            self.transport.leave(why)
+        if self.replicas is not None:
+            self.replicas.leave(why)
+
     def close(self) -> None:
         if self.transport is not None:
             self.transport.close()

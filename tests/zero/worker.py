@@ -301,6 +301,8 @@ def scenario_skipped_step(args):
               "ranks": getattr(err, "ranks", getattr(err, "missing_ranks", None))})
         os._exit(3)
     emit({"rank": rank, "error_type": None, "steps": progress["step"] + 1})
+    if args.destroy:  # the loop's end as a trainer has it (then shutdown, as every script ends)
+        engine.destroy()
 
 
 def scenario_fault(args):
@@ -388,6 +390,7 @@ def main():
     parser.add_argument("--clip", type=float, default=0.0)
     parser.add_argument("--managed", action="store_true")
     parser.add_argument("--tag", action="store_true", help="tag every minibatch (ds_odc.tag_minibatch)")
+    parser.add_argument("--destroy", action="store_true", help="skipped_step: destroy the engine after the loop")
     parser.add_argument("--frozen", action="store_true")
     parser.add_argument("--timeout", type=float, default=10.0)
     parser.add_argument("--kill", action="store_true")
