@@ -266,7 +266,7 @@ ATTRIBUTE_BUILTINS = {"getattr", "hasattr", "setattr", "delattr"}
 
 
 def _is_optimizer(node: ast.AST) -> bool:
-    """A name or attribute that says it holds an optimizer: ``optimizer``, ``engine.optimizer``, ``self.ds_optimizer``."""
+    """A name or attribute that says it holds an optimizer (``optimizer``, ``x.optimizer``, ``self.ds_optimizer``)."""
     name = node.attr if isinstance(node, ast.Attribute) else node.id if isinstance(node, ast.Name) else ""
     return "optimizer" in name.lower()
 

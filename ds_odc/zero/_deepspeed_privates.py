@@ -322,7 +322,7 @@ def no_persistent_refresh(optimizer):
         optimizer.persistent_parameters = listed
 
 
-# -- the coordinator's private state, read and written by OdcParamCoordinator and OdcOptimizer --------------------------
+# -- the coordinator's private state, read and written by OdcParamCoordinator and OdcOptimizer -------------------------
 def fetch_stream(coordinator):
     """Why: the coordinator issues its gathers on a private stream that it orders the compute stream after."""
     return getattr(coordinator, COORDINATOR_STREAM)
@@ -359,7 +359,8 @@ class CoordinatorSeams:
 
 class Stage3Seams:
     """The ``DeepSpeedZeroOptimizer_Stage3`` members ODC overrides (on ``OdcOptimizer``; ``self.odc``: its OdcState;
-    ``self.coordinator_class``: the coordinator subclass, given by the optimizer so that this module imports neither)."""
+    ``self.coordinator_class``: the coordinator subclass, given by the optimizer so that this module imports
+    neither)."""
 
     def initialize_ds_offload(self, *args, **kwargs):
         # Why: the coordinator this builds performs every fetch; ODC re-classes it (see use_coordinator_class).

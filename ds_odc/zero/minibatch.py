@@ -6,8 +6,9 @@ forgets ``engine.step()``) is not noticed by the meeting itself: its next step's
 and one update silently mixes two minibatches. When the loop tags each minibatch (:func:`ds_odc.tag_minibatch`:
 its epoch, its step in the epoch and the global label-token count that ``global_mean_weight`` was given), every rank
 posts its tag with its arrival at the fence and reads the others' once all have arrived; ranks on different
-minibatches make every rank raise :class:`MinibatchMismatch` at that step, before any update, naming them. An
-untagged loop posts an empty tag: nothing to compare, as before.
+minibatches make every rank raise :class:`MinibatchMismatch` at that step, before any update, naming them. A rank
+whose loop does not tag posts and reads nothing, so an untagged loop's step costs what it did; a rank that skips
+tagging while others tag is named by them.
 """
 
 from __future__ import annotations
@@ -56,8 +57,9 @@ def _ranks(ranks: list[int]) -> str:
 
 
 def check_same_minibatch(notes: dict[int, str | None], rank: int) -> None:
-    """Raise :class:`MinibatchMismatch` on every rank if the ranks' tags (``notes``: job rank -> encoded tag, ""
-    untagged, None: no tag posted at this meeting) are not all the same. ``rank``: this rank, for the message."""
+    """Raise :class:`MinibatchMismatch` if the ranks' tags (``notes``: job rank -> encoded tag, None where that rank
+    posted none at this step) are not all the same; every tagged rank reads the same notes and raises the same
+    error. ``rank``: this rank, for the message."""
     if len(set(notes.values())) <= 1:
         return
     by_tag: dict[str | None, list[int]] = defaultdict(list)
@@ -66,18 +68,18 @@ def check_same_minibatch(notes: dict[int, str | None], rank: int) -> None:
     common = max(by_tag.values(), key=len)
     odd = sorted(r for r in notes if r not in common) if sum(len(v) == len(common) for v in by_tag.values()) == 1 \
         else sorted(notes)
-    seen = "; ".join(f"{_ranks(ranks)}: " + ("untagged" if tag == "" else "at another meeting" if tag is None
-                                             else str(MinibatchTag.decode(tag)))
+    seen = "; ".join(f"{_ranks(ranks)}: " + ("no tag" if tag is None else str(MinibatchTag.decode(tag)))
                      for tag, ranks in sorted(by_tag.items(), key=lambda item: item[1]))
-    untagged = by_tag.get("", [])
+    untagged = by_tag.get(None, [])
     every_step = ("every rank must call engine.step() exactly once per minibatch, also a rank with no microbatch in "
                   "it (k == 0: engine.set_gradient_accumulation_boundary(True), then engine.step())")
     if untagged:
-        advice = (f"{_ranks(untagged).capitalize()} did not tag this minibatch: call ds_odc.tag_minibatch(engine, ...) on every "
-                  "rank, once per minibatch before its first microbatch, also on a rank that has no microbatch in it.")
+        advice = (f"{_ranks(untagged).capitalize()} did not tag this minibatch: call ds_odc.tag_minibatch(engine, "
+                  "...) on every rank, once per minibatch before its first microbatch, also on a rank that has no "
+                  "microbatch in it.")
     elif _ahead([notes[r] for r in odd], notes[common[0]]) and odd != sorted(notes):
-        advice = (f"{_ranks(odd).capitalize()} went past the minibatch the others are on without calling engine.step(): "
-                  f"{every_step}.")
+        advice = (f"{_ranks(odd).capitalize()} went past the minibatch the others are on without calling "
+                  f"engine.step(): {every_step}.")
     else:
         advice = (f"Look at the loop of {_ranks(odd)}: {every_step}; every rank must draw the same minibatches (same "
                   "sampler lengths, seed, world size and epoch) and tag each with its own numbers.")

@@ -187,7 +187,7 @@ class OdcOptimizer(privates.Stage3Seams, DeepSpeedZeroOptimizer_Stage3):
         (``OdcState.settle``); writing one does not."""
         return _SettlingDict(gradients, self.odc.settle)
 
-    # -- gradients and shards touched outside the step ------------------------------------------------------------------
+    # -- gradients and shards touched outside the step -----------------------------------------------------------------
     def zero_grad(self, set_to_none=True):
         # Before the step this drops the minibatch's gradients so far, as stock does: on every rank, together.
         self.odc.discard("optimizer.zero_grad() before the step")

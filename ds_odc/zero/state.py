@@ -349,7 +349,7 @@ class OdcState:
         self.wait_s = 0.0
         self.phase = Phase.STEPPING
         tag, self.minibatch = self.minibatch, None
-        notes = self.fence("the fence at the optimizer step", note="" if tag is None else tag.encode())
+        notes = self.fence("the fence at the optimizer step", note=None if tag is None else tag.encode())
         if notes is not None:
             check_same_minibatch(notes, dist.get_rank())
 

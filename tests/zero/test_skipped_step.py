@@ -17,19 +17,25 @@ pytestmark = pytest.mark.slow
 TIMEOUT_S = 30  # the fence's timeout_s in the tagged runs: the error must come long before it
 
 
-@pytest.mark.parametrize("managed", [False, True])
-def test_a_skipped_step_fails_at_that_step_naming_the_rank(managed):
-    args = ["skipped_step", "--counts", "2,1,0", "--victim", 2, "--steps", 4, "--tag", "--timeout", TIMEOUT_S]
-    r = launch(WORKER, 3, args + (["--managed"] if managed else []), timeout=180, launcher="plain")
+@pytest.mark.parametrize("variant", ["unmanaged", "managed", "hybrid"])
+def test_a_skipped_step_fails_at_that_step_naming_the_rank(variant):
+    """Unmanaged and managed accumulation at 3 ranks; hybrid sharding (2 shard groups of 2) at 4, where the tags
+    travel with the whole job's meeting."""
+    counts, victim = ("2,1,1,0", 3) if variant == "hybrid" else ("2,1,0", 2)
+    args = ["skipped_step", "--counts", counts, "--victim", victim, "--steps", 4, "--tag", "--timeout", TIMEOUT_S]
+    args += {"unmanaged": [], "managed": ["--managed"], "hybrid": ["--shard-size", 2]}[variant]
+    world = len(counts.split(","))
+    r = launch(WORKER, world, args, timeout=180, launcher="plain")
     by_rank = {x["rank"]: x for x in r.results}
-    assert sorted(by_rank) == [0, 1, 2], r.stdout[-3000:] + r.stderr[-6000:]
+    assert sorted(by_rank) == list(range(world)), r.stdout[-3000:] + r.stderr[-6000:]
+    others = ", ".join(str(rank) for rank in range(world) if rank != victim)
     for rank, report in by_rank.items():
-        assert report["error_type"] == "MinibatchMismatch" and report["ranks"] == [2], report
-        assert report["step"] == (2 if rank == 2 else 1), report  # the others at the skipped step, rank 2 one later
+        assert report["error_type"] == "MinibatchMismatch" and report["ranks"] == [victim], report
+        assert report["step"] == (2 if rank == victim else 1), report  # the others at the skipped step, it one later
         assert report["after_s"] < TIMEOUT_S / 3, report  # measured 0.1 s
         error = report["error"]
-        assert "rank 2: epoch 0, step 2" in error and "ranks 0, 1: epoch 0, step 1" in error, error
-        assert "Rank 2 went past" in error and "engine.step()" in error and "k == 0" in error, error
+        assert f"rank {victim}: epoch 0, step 2" in error and f"ranks {others}: epoch 0, step 1" in error, error
+        assert f"Rank {victim} went past" in error and "engine.step()" in error and "k == 0" in error, error
 
 
 @pytest.mark.parametrize("finish", ["shutdown", "destroy"])
@@ -44,6 +50,20 @@ def test_untagged_the_timeout_says_the_missing_rank_has_finished(finish):
         assert report["error_type"] == "FenceTimeout" and report["ranks"] == [2] and report["step"] == 3, report
         assert f"rank 2 will not come: it has finished ({why})" in report["error"], report["error"]
         assert "engine.step()" in report["error"] and "k == 0" in report["error"], report["error"]
+
+
+def test_a_rank_that_does_not_tag_is_named_by_those_that_do():
+    """Rank 2 steps correctly but never tags: ranks 0 and 1 fail at the first step naming it (rank 2, which reads no
+    tags, fails at its next collective when they are gone)."""
+    args = ["skipped_step", "--counts", "2,1,0", "--steps", 2, "--tag", "--untagged", 2, "--skip-at", -1,
+            "--timeout", TIMEOUT_S]
+    r = launch(WORKER, 3, args, timeout=180, launcher="plain")
+    by_rank = {x["rank"]: x for x in r.results}
+    for rank in (0, 1):
+        report = by_rank[rank]
+        assert report["error_type"] == "MinibatchMismatch" and report["ranks"] == [2] and report["step"] == 0, report
+        assert "rank 2: no tag" in report["error"] and "Rank 2 did not tag" in report["error"], report["error"]
+    assert r.returncode != 0
 
 
 def test_a_tagged_loop_trains_as_an_untagged_one():

@@ -285,16 +285,19 @@ def scenario_fence_timeout(args):
 
 
 def scenario_skipped_step(args):
-    """Rank ``--victim`` has no microbatch in any minibatch (``--counts``) and forgets ``engine.step()`` at step 1. Every
-    rank reports the error it raised, the step it was in and how long into that step."""
+    """Rank ``--victim`` has no microbatch in any minibatch (``--counts``) and forgets ``engine.step()`` at step
+    ``--skip-at`` (-1: never); with ``--tag``, rank ``--untagged`` does not tag. Every rank reports the error it
+    raised, the step it was in and how long into that step."""
     rank, world = rank_world()
     counts = [int(c) for c in args.counts.split(",")]
-    engine = build(tiny_llama(), ds_config({"enabled": True, "timeout_s": args.timeout}, managed=args.managed,
-                                           optimizer="sgd"))
+    odc = {"enabled": True, "timeout_s": args.timeout}
+    if args.shard_size:
+        odc["shard_size"] = args.shard_size
+    engine = build(tiny_llama(), ds_config(odc, managed=args.managed, optimizer="sgd"))
     progress = {}
     try:
-        train_uneven(engine, counts, args.steps, managed=args.managed, tag=args.tag, progress=progress,
-                     skip_step=lambda step: rank == args.victim and step == 1)
+        train_uneven(engine, counts, args.steps, managed=args.managed, tag=args.tag and rank != args.untagged,
+                     progress=progress, skip_step=lambda step: rank == args.victim and step == args.skip_at)
     except Exception as err:  # noqa: BLE001 - the point is to report it
         emit({"rank": rank, "error_type": type(err).__name__, "error": str(err), "step": progress["step"],
               "after_s": time.monotonic() - progress["started"],
@@ -390,6 +393,8 @@ def main():
     parser.add_argument("--clip", type=float, default=0.0)
     parser.add_argument("--managed", action="store_true")
     parser.add_argument("--tag", action="store_true", help="tag every minibatch (ds_odc.tag_minibatch)")
+    parser.add_argument("--untagged", type=int, default=-1, help="skipped_step: with --tag, the rank that does not")
+    parser.add_argument("--skip-at", type=int, default=1, help="skipped_step: the step the victim forgets (-1: none)")
     parser.add_argument("--destroy", action="store_true", help="skipped_step: destroy the engine after the loop")
     parser.add_argument("--frozen", action="store_true")
     parser.add_argument("--timeout", type=float, default=10.0)
