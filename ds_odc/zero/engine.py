@@ -17,7 +17,7 @@ def tag_minibatch(engine, batch: Any = None, *, epoch: int | None = None, step: 
                   label_tokens: int | None = None) -> None:
     """Say which minibatch ``engine``'s next ``engine.step()`` trains, so that the step's meeting checks every rank
     is on the same one: ``batch``, the sampler's :class:`~ds_odc.balancer.RankBatch` (its ``epoch``, ``step`` and
-    ``num_label_tokens``), and/or the numbers themselves (they override the batch's; ``label_tokens``: the global
+    ``num_label_tokens``, whichever it has), and/or the numbers themselves (they override the batch's; ``label_tokens``: the global
     count given to ``global_mean_weight``). Call it on every rank, once per minibatch, before its first microbatch,
     also on a rank that has no microbatch in it. Ranks on different minibatches then all raise
     :class:`~ds_odc.zero.minibatch.MinibatchMismatch` at that step, naming the odd ones, instead of one update
@@ -26,10 +26,10 @@ def tag_minibatch(engine, batch: Any = None, *, epoch: int | None = None, step: 
     optimizer = getattr(engine, "optimizer", None)
     if not isinstance(optimizer, OdcOptimizer):
         return
-    if batch is not None:
-        epoch = batch.epoch if epoch is None else epoch
-        step = batch.step if step is None else step
-        label_tokens = batch.num_label_tokens if label_tokens is None else label_tokens
+    if batch is not None:  # whichever of the three it has (a trainer's pack has no label-token count)
+        epoch = getattr(batch, "epoch", None) if epoch is None else epoch
+        step = getattr(batch, "step", None) if step is None else step
+        label_tokens = getattr(batch, "num_label_tokens", None) if label_tokens is None else label_tokens
     optimizer.odc.tag_minibatch(MinibatchTag(epoch, step, label_tokens))
 
 

@@ -9,8 +9,9 @@ the update itself); :class:`OdcState` decides *how*, in four operations:
   :meth:`start_step`, the ranks also compare the minibatch the loop tagged: :mod:`ds_odc.zero.minibatch`);
 * :meth:`publish`: empty the accumulators and meet again, so the updated shards are what peers read next.
 
-It is reached from DeepSpeed only through ``_deepspeed_privates`` (which forwards to it and is never called back)
-and talks to peers only through a :class:`~ds_odc.ops.transport.Transport`. Everything that stays the same from
+It is reached from DeepSpeed only through the ODC optimizer and coordinator (and the overrides in
+``_deepspeed_privates`` that forward to them or to it), never calls back, and talks to peers only through a
+:class:`~ds_odc.ops.transport.Transport`. Everything that stays the same from
 step to step (each parameter's place, each fetch group's and gradient bucket's transport plan) is computed once.
 
 Gradients read, written or dropped between ``backward`` and ``step`` (:meth:`settle`, :meth:`discard`) and shards
