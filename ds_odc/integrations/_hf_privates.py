@@ -23,7 +23,8 @@ TRL_SUPPORTED = ">=1.16,<1.17"
 # transformers.Trainer
 TRANSFORMERS_PRIVATES = {
     "_prepare_inputs": "overridden by OdcTrainer: the one place where a batch's host copy and its device copy are both "
-                       "at hand, so the document lengths of packed rows are noted without a device-to-host copy",
+                       "at hand, so the document lengths of packed rows are noted without a device-to-host copy (and "
+                       "where an ODC microbatch's inputs move to the device)",
     "_remove_unused_columns": "called by OdcTrainer, which builds its own loader and drops columns as the stock one",
     "_loss_shifts_labels": "read by OdcTrainer to count label tokens exactly as the stock get_batch_samples does",
     "save_model(_internal_call)": "the keyword tells a checkpoint save from a user's call: only checkpoints get the "
