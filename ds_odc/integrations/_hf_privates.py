@@ -43,7 +43,9 @@ TRL_GRPO_PRIVATES = {
                                        "one generation batch, before the batch is re-planned across ranks",
     "_get_per_token_logps_and_entropies": "overridden: TRL's loss then reads the log-probs of the microbatch's one "
                                           "forward (padded or packed), and packed rows score old/reference log-probs",
-    "_compute_loss": "called on each group of samples that shared a stock microbatch: TRL's own loss and metrics",
+    "_compute_loss": "called on each group of samples that shared a stock microbatch: TRL's own loss and metrics (its "
+                     "model argument, which it only hands on to _get_per_token_logps_and_entropies, carries the "
+                     "group's log-probs from the microbatch's forward)",
     "_metrics": "redirected while ODC trains a step: TRL's metrics are combined over ranks once, at the step",
     "_step": "TRL's microstep counter, which decides when to generate: advanced once per Trainer microstep",
     "_tokenizer": "read: the pad token of the microbatches ODC collates",
