@@ -20,7 +20,8 @@ each whole step to a runner, which owns
 :class:`RunsOdcSteps` is the mixin (placed before the ``Trainer`` class) whose ``Trainer`` methods hand their stock
 version to the runner: trainers do not test a flag. The microbatch in flight is never stored on the trainer: the
 runner hands it, as a frozen :class:`Microbatch` (its inputs, its sample ids and their stock microbatches, its label
-tokens and the step's), through the stock ``training_step`` to the trainer's loss.
+tokens and the step's), to the trainer's loss: a :class:`PackRunner` through the stock ``training_step`` (whose
+``_prepare_inputs`` and ``compute_loss`` pass it on), the GRPO trainer's runner directly.
 
 How a trainer plugs in
 ----------------------
