@@ -9,6 +9,7 @@ from .autocost import AutoCost, CostUpdate
 from .checks import DataError, DataReport
 from .cost import CostModel, FittedCost, QuadraticCost, TokenCost, get_cost_model
 from .lengths import lengths_from_dataset, lengths_from_file, read_lengths, sq_lengths_from_dataset
+from .options import BalancerOptions, auto_cost_prior, choose_cost, planning_cost
 from .packing import PackingError, first_fit_decreasing, pack
 from .partitioner import greedy_lpt, makespan, partition
 from .plan import OVERSIZE_POLICIES, Plan, SplitSample
@@ -24,6 +25,10 @@ __all__ = [
     "get_cost_model",
     "AutoCost",
     "CostUpdate",
+    "BalancerOptions",
+    "choose_cost",
+    "planning_cost",
+    "auto_cost_prior",
     "DataError",
     "DataReport",
     "partition",

@@ -38,7 +38,8 @@ import numpy as np
 
 from .autocost import AutoCost, CostUpdate, rank_rows
 from .checks import DataError, DataReport, check_lengths
-from .cost import MICROBATCH_PRIOR_TOKENS, CostModel, QuadraticCost, get_cost_model
+from .cost import CostModel
+from .options import auto_cost_prior, choose_cost
 from .plan import OVERSIZE_POLICIES, effective_lengths
 from .planners import DEFAULT_PLANNER, get_planner, plan_minibatch
 from .sp import SplitPolicy
@@ -82,17 +83,6 @@ class RankBatch:
         return self.num_tokens - self.num_samples
 
 
-def auto_cost_prior(model_config: Any = None) -> CostModel:
-    """Where ``cost="auto"`` starts: the model shape's training FLOPs (``QuadraticCost.from_hf_config``) or, without
-    a model config, one unit per token; in both cases plus a microbatch worth :data:`MICROBATCH_PRIOR_TOKENS`."""
-    if model_config is not None:
-        try:
-            return QuadraticCost.from_hf_config(model_config, microbatch_tokens=MICROBATCH_PRIOR_TOKENS)
-        except ValueError:  # not a decoder's config: the fit learns the shape from tokens up
-            logger.info("ds_odc balancer: the model config has no decoder shape; the automatic cost starts from tokens")
-    return QuadraticCost(a=1.0, b=0.0, c=float(MICROBATCH_PRIOR_TOKENS))
-
-
 class BalancedBatchSampler:
     """Yields a :class:`RankBatch` per minibatch for one rank.
 
@@ -104,7 +94,9 @@ class BalancedBatchSampler:
         planner: ``"lb-mini"`` (ODC), ``"lb-micro"`` or ``"local-sort"`` (collective-compatible), or
             ``"lb-mini-sp"`` (ODC, samples no rank can take alone split over groups of ranks; see ``split``).
         cost: ``"auto"`` (default: learned from :meth:`observe`), ``"tokens"``, ``"quadratic"`` (needs
-            ``model_config``) or a :class:`~ds_odc.balancer.cost.CostModel`.
+            ``model_config``), a :class:`~ds_odc.balancer.cost.CostModel`, or an
+            :class:`~ds_odc.balancer.autocost.AutoCost` (used as given, with its own lag and settings); see
+            :func:`~ds_odc.balancer.options.choose_cost`.
         model_config: the model's (Hugging Face) config: the shape ``"auto"`` starts from and ``"quadratic"`` uses.
         sq_lengths: per sample, the sum of its documents' squared lengths, for rows that already pack several
             documents (attention is per document); ``None``: one document per sample.
@@ -132,7 +124,7 @@ class BalancedBatchSampler:
         minibatch_size: int,
         max_tokens: int | None,
         planner: str = DEFAULT_PLANNER,
-        cost: "str | CostModel" = "auto",
+        cost: "str | CostModel | AutoCost" = "auto",
         model_config: Any = None,
         sq_lengths: Sequence[float] | None = None,
         seed: int = 0,
@@ -166,12 +158,12 @@ class BalancedBatchSampler:
         self.minibatch_size = int(minibatch_size)
         self.max_tokens = max_tokens
         self.planner = planner
-        self.auto: AutoCost | None = None
-        if cost == "auto":
-            self.auto = AutoCost(auto_cost_prior(model_config), lag=cost_lag, **(auto_cost or {}))
-            self.cost = self.auto.prior
-        else:
-            self.cost = get_cost_model(cost, model_config)
+        if isinstance(cost, AutoCost) and (cost_lag or auto_cost):
+            raise ValueError("an AutoCost brings its own lag and fit settings: set them on it "
+                             "(AutoCost(prior, lag=..., ...)) instead of passing cost_lag / auto_cost")
+        chosen = choose_cost(cost, model_config, lag=cost_lag, auto_cost=auto_cost)
+        self.auto: AutoCost | None = chosen if isinstance(chosen, AutoCost) else None
+        self.cost = chosen.prior if isinstance(chosen, AutoCost) else chosen
         self.seed = int(seed)
         self.shuffle = bool(shuffle)
         self.drop_last = bool(drop_last)

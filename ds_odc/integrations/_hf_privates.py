@@ -23,7 +23,8 @@ TRL_SUPPORTED = ">=1.16,<1.17"
 # transformers.Trainer
 TRANSFORMERS_PRIVATES = {
     "_prepare_inputs": "overridden by OdcTrainer: the one place where a batch's host copy and its device copy are both "
-                       "at hand, so the document lengths of packed rows are noted without a device-to-host copy",
+                       "at hand, so the document lengths of packed rows are noted without a device-to-host copy (and "
+                       "where an ODC microbatch's inputs move to the device)",
     "_remove_unused_columns": "called by OdcTrainer, which builds its own loader and drops columns as the stock one",
     "_loss_shifts_labels": "read by OdcTrainer to count label tokens exactly as the stock get_batch_samples does",
     "save_model(_internal_call)": "the keyword tells a checkpoint save from a user's call: only checkpoints get the "
@@ -42,7 +43,9 @@ TRL_GRPO_PRIVATES = {
                                        "one generation batch, before the batch is re-planned across ranks",
     "_get_per_token_logps_and_entropies": "overridden: TRL's loss then reads the log-probs of the microbatch's one "
                                           "forward (padded or packed), and packed rows score old/reference log-probs",
-    "_compute_loss": "called on each group of samples that shared a stock microbatch: TRL's own loss and metrics",
+    "_compute_loss": "called on each group of samples that shared a stock microbatch: TRL's own loss and metrics (its "
+                     "model argument, which it only hands on to _get_per_token_logps_and_entropies, carries the "
+                     "group's log-probs from the microbatch's forward)",
     "_metrics": "redirected while ODC trains a step: TRL's metrics are combined over ranks once, at the step",
     "_step": "TRL's microstep counter, which decides when to generate: advanced once per Trainer microstep",
     "_tokenizer": "read: the pad token of the microbatches ODC collates",

@@ -6,9 +6,12 @@ this rank (possibly none), plus the plan's position (epoch, step). Every rank bu
 what a trainer loop needs (one loader item = one optimizer step on every rank), whatever the microbatch counts.
 
 The pieces fit a plain ``torch.utils.data.DataLoader``:
-``DataLoader(PackDataset(ds), batch_sampler=PackBatchSampler(sampler), collate_fn=PackCollator(collate))``.
+``PackLoader(PackDataset(ds), batch_sampler=PackBatchSampler(sampler), collate_fn=PackCollator(collate))``.
 That shape matters for resuming: Accelerate's ``skip_first_batches`` rebuilds a loader from exactly
 ``dataset``/``batch_sampler``/``collate_fn`` and drops the first batches of the batch sampler.
+
+Also here: what the loader needs from the train dataset before it starts (:func:`dataset_lengths`, every sample
+checked; :func:`describe_row` for error messages), and a split sample's inputs on one rank (:class:`SplitInputs`).
 """
 
 from __future__ import annotations
@@ -18,9 +21,16 @@ from typing import Any, Callable, Iterator, Mapping, Sequence
 
 import torch
 
+from ds_odc.balancer.checks import check_label_lengths
+from ds_odc.balancer.lengths import lengths_from_dataset, sq_lengths_from_dataset
 from ds_odc.balancer.sampler import BalancedBatchSampler, RankBatch
+from ds_odc.balancer.sp import SplitPolicy
+from ds_odc.training.sequence_parallel import slice_sample
 
-__all__ = ["Pack", "PackBatchSampler", "PackDataset", "PackCollator", "SkippedStep"]
+__all__ = ["Pack", "PackBatchSampler", "PackDataset", "PackCollator", "PackLoader", "SkippedStep", "SplitInputs",
+           "SPLIT_INPUTS_KEY", "dataset_lengths", "describe_row"]
+
+SPLIT_INPUTS_KEY = "ds_odc_split"  # in a split sample's model inputs: the SplitSlice, taken out before the forward
 
 
 @dataclass(frozen=True)
@@ -38,6 +48,8 @@ class Pack:
 
     ``microbatches`` holds collated model inputs (dicts of tensors), in execution order; it may be empty.
     ``num_samples``/``num_tokens`` are the *global* counts of the minibatch (from the plan, the same on every rank).
+    ``label_tokens`` (each microbatch's loss tokens) and ``step_label_tokens`` (the loss tokens of the whole step,
+    all ranks; ``None``: no labels anywhere) are counted by the trainer once the pack is drawn, before its step.
     """
 
     microbatches: list[dict[str, Any]]
@@ -47,6 +59,8 @@ class Pack:
     num_tokens: int
     sample_ids: list[list[int]] = field(default_factory=list)
     splits: dict[int, tuple[int, ...]] = field(default_factory=dict)  # split samples: {dataset index: ranks}
+    label_tokens: list[int] = field(default_factory=list)
+    step_label_tokens: int | None = None
 
     def __len__(self) -> int:
         return len(self.microbatches)
@@ -148,3 +162,61 @@ class PackCollator:
                 microbatches.append(dict(self.collate(mb)))
         return Pack(microbatches=microbatches, epoch=batch.epoch, step=batch.step, num_samples=batch.num_samples,
                     num_tokens=batch.num_tokens, sample_ids=batch.microbatches, splits=dict(batch.splits))
+
+
+class PackLoader(torch.utils.data.DataLoader):
+    """A DataLoader whose ``set_epoch`` reaches the pack sampler (the Trainer calls it at every epoch start)."""
+
+    def set_epoch(self, epoch: int) -> None:
+        self.batch_sampler.set_epoch(epoch)
+
+
+class SplitInputs:
+    """A split sample's model inputs on this rank: its slice (``slice_sample``), labels already shifted over the whole
+    sample; ``labels`` switch the model's loss on and ``shift_labels`` replace them. Plain data, so loader workers
+    can run it."""
+
+    def __init__(self, policy: SplitPolicy, rank: int, pad_token_id: int) -> None:
+        self.policy, self.rank, self.pad_token_id = policy, rank, pad_token_id
+
+    def __call__(self, sample: Any, ranks: tuple[int, ...]) -> dict[str, Any]:
+        piece = slice_sample(sample, ranks, ranks.index(self.rank), ulysses=self.policy.ulysses_size(len(ranks)),
+                             pad_token_id=self.pad_token_id)
+        return {"input_ids": piece.input_ids, "position_ids": piece.position_ids, "labels": piece.shift_labels,
+                "shift_labels": piece.shift_labels, SPLIT_INPUTS_KEY: piece}
+
+
+def dataset_lengths(dataset, column: str):
+    """(lengths, sums of squared document lengths or None) of every sample, labels checked against input_ids."""
+    describe = lambda i: describe_row(dataset, i)  # noqa: E731
+    if hasattr(dataset, "column_names"):  # datasets.Dataset: read the columns as Arrow, not row by row
+        if column not in dataset.column_names:
+            raise ValueError(f"ds_odc: length_column {column!r} is not a column of the train dataset "
+                             f"({dataset.column_names})")
+        lengths = lengths_from_dataset(dataset, column)
+        if "labels" in dataset.column_names and column == "input_ids":
+            check_label_lengths(lengths, lengths_from_dataset(dataset, "labels"), describe)
+        sq = sq_lengths_from_dataset(dataset) if "seq_lengths" in dataset.column_names else None
+        return lengths, sq
+    lengths, labels = [], []
+    for i in range(len(dataset)):
+        row = dataset[i]
+        value = row[column]
+        lengths.append(int(value) if isinstance(value, int) else len(value))
+        labels.append(len(row["labels"]) if column == "input_ids" and "labels" in row else lengths[-1])
+    check_label_lengths(lengths, labels, describe)
+    return lengths, None
+
+
+def describe_row(dataset, index: int) -> str:
+    """``row N of the train dataset: input_ids [1, 2, 3, ...] (5 items), ...`` for error messages."""
+    row = dataset[index]
+    parts = []
+    for key, value in list(row.items())[:4] if hasattr(row, "items") else []:
+        if isinstance(value, (list, tuple)) or hasattr(value, "shape"):
+            items = list(value[:3]) if not hasattr(value, "shape") else value.reshape(-1)[:3].tolist()
+            parts.append(f"{key} {items}{' ...' if len(value) > 3 else ''} ({len(value)} items)")
+        else:
+            text = repr(value)
+            parts.append(f"{key} {text[:40]}{'...' if len(text) > 40 else ''}")
+    return f"row {index} of the train dataset" + (": " + ", ".join(parts) if parts else "")

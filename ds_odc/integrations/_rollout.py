@@ -21,6 +21,7 @@ import numpy as np
 import torch
 import torch.distributed as dist
 
+from ds_odc.balancer.options import planning_cost
 from ds_odc.balancer.planners import plan_minibatch
 
 __all__ = ["RolloutPlan", "Sample", "plan_rollout", "stock_microbatch_size", "exchange", "collate", "pack_padded"]
@@ -122,7 +123,9 @@ def plan_rollout(batch: dict, *, world: int, batch_rows: int, gas: int, planner:
     the cost model's per-microbatch cost); otherwise LB-Mini shares the samples out and each rank packs its share
     into padded microbatches of at most ``max_tokens`` rows x padded width (:func:`pack_padded`). ``max_tokens``
     ``None``: the size of the largest microbatch the stock trainer runs on this batch, rows x padded width. A sample
-    larger than the budget gets a microbatch of its own."""
+    larger than the budget gets a microbatch of its own. ``cost``: as :func:`~ds_odc.balancer.options.choose_cost`
+    chose it; an ``AutoCost`` plans with its latest fit."""
+    cost = planning_cost(cost)
     rows = batch[PROMPT_IDS].shape[0]
     if rows % (batch_rows * gas):
         raise ValueError(f"ds_odc: the generation batch has {rows} rows per rank, not a whole number of optimizer "

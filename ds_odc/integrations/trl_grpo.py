@@ -20,7 +20,9 @@ sum over all ranks is TRL's loss whatever rank trains which sample. TRL's per-to
 so the logs show the curves stock TRL shows. Without ``odc`` in the config every method defers to ``GRPOTrainer``.
 See docs/RL.md.
 
-The step loop and the logs are shared with ``OdcTrainer`` (:mod:`ds_odc.integrations._step`). The TRL privates this
+The step, the meeting and the logs are ``OdcTrainer``'s (:mod:`ds_odc.integrations._runner`): the trainer picks its
+runner once, in ``__init__`` (:class:`RolloutRunner` with ODC, TRL's own methods without), and adds what is GRPO's:
+lockstep-free generation, the rollout plans and TRL's loss per stock microbatch. The TRL privates this
 relies on (``_generate_single_turn``, ``_generate_and_score_completions``, ``_get_per_token_logps_and_entropies``,
 ``_compute_loss``, ``_metrics``, ``_step``) and the Accelerate ones are listed, each with its reason, in
 :mod:`ds_odc.integrations._hf_privates`, and checked when this module is imported (tested with trl 1.16).
@@ -31,7 +33,8 @@ from __future__ import annotations
 import contextlib
 import time
 from collections import deque
-from typing import Any
+from dataclasses import dataclass
+from typing import Any, Callable, ContextManager
 
 import torch
 from torch.nn.utils.rnn import pad_sequence
@@ -39,20 +42,18 @@ from trl import GRPOTrainer
 from trl.trainer.utils import shuffle_sequence_dict
 
 import ds_odc
-from ds_odc.balancer.autocost import AutoCost, rank_rows
-from ds_odc.balancer.cost import get_cost_model
-from ds_odc.balancer.sampler import auto_cost_prior
+from ds_odc.balancer.autocost import AutoCost
+from ds_odc.balancer.options import BalancerOptions, choose_cost
 from ds_odc.integrations import _rollout as rollout
 from ds_odc.integrations._completions import pack_completions, packed_attention, score_completions
 from ds_odc.integrations._hf_privates import (TRL_GRPO_PRIVATES, check_trl, check_trl_instance, match_accelerate_backend,
                                               rank_local_collectives)
-from ds_odc.integrations._metrics import BalanceMeter
-from ds_odc.integrations._step import OdcStep, load_balancer_state, resolve_checkpoint, save_balancer_state
+from ds_odc.integrations._runner import (Microbatch, OdcRunner, RunsOdcSteps, StepRunner, balancer_options,
+                                         load_balancer_state, odc_enabled, save_balancer_state)
 from ds_odc.integrations._stock_metrics import SlotMetrics, combine
 from ds_odc.integrations.generation import RESIDENCIES, is_odc_engine, lockstep_free
-from ds_odc.integrations.transformers import odc_enabled
 
-__all__ = ["OdcGRPOTrainer", "LOSS_WEIGHTS"]
+__all__ = ["OdcGRPOTrainer", "RolloutRunner", "RolloutShare", "LOSS_WEIGHTS"]
 
 check_trl(GRPOTrainer, TRL_GRPO_PRIVATES)
 
@@ -64,7 +65,7 @@ LOSS_WEIGHTS = {"grpo": "rows", "sapo": "rows", "dr_grpo": "rows", "luspo": "row
 PACKED_ATTENTIONS = ("sdpa", "eager", "ds_odc_varlen", "flash_attention_2", "flash_attention_3")
 
 
-def _refusals(args, trainer_kwargs: dict) -> list[str]:
+def _refusals(args, trainer_kwargs: dict, options: BalancerOptions) -> list[str]:
     """Options OdcGRPOTrainer cannot run with ODC, each with what to change."""
     out = []
     if args.loss_type not in LOSS_WEIGHTS:
@@ -87,10 +88,17 @@ def _refusals(args, trainer_kwargs: dict) -> list[str]:
     if args.steps_per_generation % args.gradient_accumulation_steps:
         out.append(f"steps_per_generation={args.steps_per_generation} (ODC plans whole optimizer steps: use a "
                    f"multiple of gradient_accumulation_steps={args.gradient_accumulation_steps})")
+    if options.spec.splits:
+        out.append(f"balancer_planner={options.planner!r} (rollouts are not split over ranks: use 'lb-mini')")
+    unused = [f"{name}={getattr(options, name)!r}" for name in ("oversize", "split", "length_column")
+              if getattr(options, name) != getattr(BalancerOptions(), name)]
+    if unused:
+        out.append(f"BalancerOptions({', '.join(unused)}) (a rollout sample larger than the budget gets a microbatch of "
+                   "its own, and lengths come from the completions: leave these at their defaults)")
     return out
 
 
-class OdcGRPOTrainer(OdcStep, GRPOTrainer):
+class OdcGRPOTrainer(RunsOdcSteps, GRPOTrainer):
     """``trl.GRPOTrainer`` that generates lockstep-free and trains with ODC + LB-Mini when the config turns ODC on.
 
     Extra keyword arguments (all optional):
@@ -105,149 +113,65 @@ class OdcGRPOTrainer(OdcStep, GRPOTrainer):
         balancer_cost: what LB-Mini balances: ``"auto"`` (default: starts from the model's shape and is refitted
             every step from the measured busy times of all ranks; logged as ``odc/cost_*``; an ``AutoCost`` for
             other fit settings), ``"tokens"``, ``"quadratic"`` or a ``CostModel``.
+        balancer: the three above as one :class:`~ds_odc.balancer.options.BalancerOptions`, instead of the keywords.
         generation_residency: ``"auto"`` / ``"full"`` / ``"block"`` (see ``lockstep_free``). Default: ``"auto"``, or
             ``"block"`` when ``ds3_gather_for_generation=False``.
         max_resident_bytes: the memory budget of ``"auto"``.
     """
 
+    odc_padding_free: bool  # ODC trains (and scores old / reference log-probs) on padding-free rows
+
     def __init__(self, model, reward_funcs=None, args=None, *trainer_args, padding_free: bool | None = None,
                  balancer_planner: str = "lb-mini", max_tokens_per_microbatch: int | None = None,
                  balancer_cost: Any = "auto", generation_residency: str | None = None,
-                 max_resident_bytes: int | None = None, **trainer_kwargs):
+                 max_resident_bytes: int | None = None, balancer: BalancerOptions | None = None, **trainer_kwargs):
         ds_odc.patch()
-        self.odc = args is not None and odc_enabled(args)
-        if self.odc:
-            refused = _refusals(args, trainer_kwargs)
-            if refused:
-                raise ValueError("ds_odc: OdcGRPOTrainer with zero_optimization.odc does not support "
-                                 + "; ".join(refused) + ". Change these options or turn ODC off.")
+        options = balancer_options(balancer, balancer_planner=balancer_planner,
+                                   max_tokens_per_microbatch=max_tokens_per_microbatch, balancer_cost=balancer_cost)
+        odc = args is not None and odc_enabled(args)
+        if odc:
+            _refuse_options(args, trainer_kwargs, options)
         if generation_residency is not None and generation_residency not in RESIDENCIES:
             raise ValueError(f"ds_odc: generation_residency must be one of {RESIDENCIES}, got {generation_residency!r}")
-        if self.odc and not isinstance(model, str):
-            from accelerate.utils import is_peft_model
-            if is_peft_model(model):
-                raise ValueError("ds_odc: OdcGRPOTrainer with zero_optimization.odc does not support a PeftModel "
-                                 "(PEFT/LoRA adapters are not tested with ODC yet): train without ODC, or merge the "
-                                 "adapter into a full fine-tune")
+        if odc:
+            _refuse_peft_model(model)
         super().__init__(model, reward_funcs, args, *trainer_args, **trainer_kwargs)
         match_accelerate_backend(self.args)
-        if self.odc:
-            check_trl_instance(self, TRL_GRPO_PRIVATES)
-        if self.odc and (self._is_vlm or self.aux_loss_enabled):
-            raise ValueError("ds_odc: OdcGRPOTrainer with zero_optimization.odc does not support "
-                             + ("vision-language models (their image inputs are not moved between ranks yet)"
-                                if self._is_vlm else "the MoE router auxiliary loss (a per-microbatch term: set "
-                                "router_aux_loss_coef=0 or turn output_router_logits off)") + ". Turn ODC off for it.")
-        if self.odc and self.ref_model is not None and self.args.sync_ref_model:
-            raise ValueError("ds_odc: sync_ref_model=True is not tested with ODC yet; set sync_ref_model=False")
+        if odc:
+            _refuse_built(self)
         attention = getattr(getattr(self.model, "config", None), "_attn_implementation", None)
         if padding_free is None:
             padding_free = attention in PACKED_ATTENTIONS
-        self.odc_padding_free = bool(self.odc and padding_free)
-        self.odc_planner = balancer_planner
-        self.odc_max_tokens = max_tokens_per_microbatch
-        self.odc_cost = _cost(balancer_cost, getattr(self.model, "config", None)) if self.odc else None
+        self.odc_padding_free = bool(odc and padding_free)
         if generation_residency is None:
             generation_residency = "auto" if self.args.ds3_gather_for_generation else "block"
-        self.odc_generation_residency = generation_residency
-        self.odc_max_resident_bytes = max_resident_bytes
-        self.odc_meter = BalanceMeter(self.args.world_size) if self.odc else None
-        self._odc_rollout: tuple[rollout.RolloutPlan, dict[int, rollout.Sample]] | None = None
-        self._odc_served: tuple[torch.Tensor, torch.Tensor] | None = None
-        self._odc_generation = [0.0, 0]  # seconds and new tokens since the last optimizer step, this rank
-        self.odc_microbatch_history = deque(maxlen=1000)  # microbatches per rank, recent optimizer steps
-        self.odc_plan_history = deque(maxlen=1000)  # (global step, this rank's microbatches of global ids)
+        self.odc_runner = (RolloutRunner(self, options, padding_free=self.odc_padding_free,
+                                         residency=generation_residency, max_resident_bytes=max_resident_bytes)
+                           if odc else StepRunner())
+
+    @property
+    def odc_microbatch_history(self) -> deque:
+        """Microbatches per rank of the recent optimizer steps (ODC)."""
+        return getattr(self.odc_runner, "microbatch_history", deque())
+
+    @property
+    def odc_plan_history(self) -> deque:
+        """(global step, this rank's microbatches of global sample ids) of the recent optimizer steps (ODC)."""
+        return getattr(self.odc_runner, "plan_history", deque())
 
     # -- generation ---------------------------------------------------------------------------------------------------
     def _generate_single_turn(self, prompt_ids, images, multimodal_fields, num_generations, has_tool_images=False):
-        if not (self.odc and is_odc_engine(self.model_wrapped)):  # e.g. an inference-only engine before training
-            return super()._generate_single_turn(prompt_ids, images, multimodal_fields, num_generations,
-                                                 has_tool_images)
-        gather = self.args.ds3_gather_for_generation
-        self.args.ds3_gather_for_generation = False  # TRL's collective full gather; lockstep_free decides instead
-        started = time.perf_counter()
-        try:
-            with lockstep_free(self.model_wrapped, residency=self.odc_generation_residency,
-                               max_resident_bytes=self.odc_max_resident_bytes):
-                completion_ids, logprobs = super()._generate_single_turn(prompt_ids, images, multimodal_fields,
-                                                                         num_generations, has_tool_images)
-        finally:
-            self.args.ds3_gather_for_generation = gather
-        if self.model.training:
-            self._odc_generation[0] += time.perf_counter() - started
-            self._odc_generation[1] += sum(len(ids) for ids in completion_ids)
-        return completion_ids, logprobs
+        def stock():
+            return super(OdcGRPOTrainer, self)._generate_single_turn(prompt_ids, images, multimodal_fields,
+                                                                     num_generations, has_tool_images)
+        return self.odc_runner.generate(stock) if self.odc else stock()
 
-    # -- the step -----------------------------------------------------------------------------------------------------
-    def training_step(self, model, inputs, num_items_in_batch=None):
-        if not self.odc:
-            return super().training_step(model, inputs, num_items_in_batch)
-        if not self.accelerator.sync_gradients:
-            # An earlier accumulation step of the stock loop: the whole optimizer step runs at its last one, where
-            # every rank trains its share of the step with its own number of microbatches.
-            self._step += 1
-            return torch.zeros((), device=self.args.device)
-        model.train()
-        gas = self.current_gradient_accumulation_steps
-        first = self._step - (gas - 1)  # TRL's microstep counter at the first accumulation step of this step
-        generate_every = self.args.steps_per_generation * self.num_iterations
-        if first % generate_every == 0 or self._odc_rollout is None:
-            self._odc_rollout = self._odc_new_rollout(inputs, gas)
-        plan, samples = self._odc_rollout
-        step_in_batch = (first % self.args.steps_per_generation) // gas
-        microbatches = plan.steps[step_in_batch][self.args.process_index]
-        self.odc_plan_history.append((self.state.global_step, microbatches))
-        loss = self._odc_train_share(model, plan, samples, microbatches)
-        self._step += 1
-        return loss
-
-    def _odc_new_rollout(self, inputs, gas: int):
-        batch = self._generate_and_score_completions(inputs)
-        batch = shuffle_sequence_dict(batch)  # TRL's own shuffle of the generation batch, same random stream
-        cost = self.odc_cost.model if isinstance(self.odc_cost, AutoCost) else self.odc_cost
-        plan = rollout.plan_rollout(batch, world=self.args.world_size, batch_rows=self.args.per_device_train_batch_size,
-                                    gas=gas, planner=self.odc_planner, cost=cost, max_tokens=self.odc_max_tokens,
-                                    packed=self.odc_padding_free)
-        samples = rollout.exchange(batch, plan, self.args.process_index)
-        self._odc_num_items = batch.get("num_items_in_batch")
-        return plan, samples
-
-    def _odc_train_share(self, model, plan, samples, microbatches) -> torch.Tensor:
-        metrics = SlotMetrics()
-
-        def train_one(ids):
-            # Packed attention through the backward too: gradient checkpointing runs each layer's forward again there
-            with packed_attention(model) if self.odc_padding_free else contextlib.nullcontext():
-                with self.compute_loss_context_manager():
-                    loss = self._odc_microbatch_loss(model, plan, [samples[g] for g in ids], metrics)
-                self.accelerator.backward(loss, scale_wrt_gas=False)
-            return loss.detach()
-
-        logged = self._metrics["train"]
-        self._metrics["train"] = metrics.sink()  # TRL's loss logs here, rank-locally, by stock microbatch
-        try:
-            with rank_local_collectives(self.accelerator, on_reduce=metrics.on_reduce):
-                times = self._odc_train_step(microbatches, train_one)
-        finally:
-            self._metrics["train"] = logged
-        generation, self._odc_generation = tuple(self._odc_generation), [0.0, 0]
-        tokens, sq_tokens = plan.load(microbatches)
-        everyone = self._odc_meet(times, tokens, sq_tokens, self._odc_step_samples(), payload=metrics.records,
-                                  generation=generation)
-        self.odc_microbatch_history.append([r.microbatches for r in self.odc_meter.records[-1].per_rank])
-        for name, values in combine(everyone).items():  # one value per stock microbatch, as TRL appends them
-            logged[name].extend(values)
-        logged["step_time"].append(times.step_s)
-        return times.loss
-
-    def _odc_observe_cost(self, record):
-        if not isinstance(self.odc_cost, AutoCost):
-            return None
-        return self.odc_cost.observe(*rank_rows(record))
-
-    def _odc_microbatch_loss(self, model, plan, members: list[rollout.Sample], metrics: SlotMetrics) -> torch.Tensor:
+    # -- the loss -----------------------------------------------------------------------------------------------------
+    def odc_loss(self, model, mb: Microbatch) -> torch.Tensor:
         """One forward for the microbatch; then TRL's loss of each group of its samples that shared a stock
         microbatch, weighted as that group counts in its stock microbatch."""
+        share: RolloutShare = mb.inputs
+        plan, members = share.plan, share.samples
         logps, entropies = self._odc_completion_logps(model, members)
         kind = LOSS_WEIGHTS[self.loss_type]
         rows = self.args.per_device_train_batch_size
@@ -258,15 +182,14 @@ class OdcGRPOTrainer(OdcStep, GRPOTrainer):
         for (_, slot), index in groups.items():
             group = [members[i] for i in index]
             inputs = rollout.collate(group, self._tokenizer.pad_token_id)
-            if self._odc_num_items is not None:
-                inputs["num_items_in_batch"] = self._odc_num_items
+            if share.num_items_in_batch is not None:
+                inputs["num_items_in_batch"] = share.num_items_in_batch
             width = inputs["completion_ids"].shape[1]
-            self._odc_served = (_rows([logps[i] for i in index], width), _rows([entropies[i] for i in index], width))
-            metrics.slot = slot
-            try:
-                term = super()._compute_loss(model, inputs)
-            finally:
-                self._odc_served = None
+            mb.metrics.slot = slot
+            # TRL's loss hands its `model` argument to _get_per_token_logps_and_entropies only: the group's log-probs
+            # of the microbatch's forward travel there in its place.
+            served = ServedLogps(_rows([logps[i] for i in index], width), _rows([entropies[i] for i in index], width))
+            term = super()._compute_loss(served, inputs)
             if kind == "rows":
                 weight = len(group) / rows
             elif kind == "tokens":
@@ -293,12 +216,8 @@ class OdcGRPOTrainer(OdcStep, GRPOTrainer):
 
     def _get_per_token_logps_and_entropies(self, model, input_ids, attention_mask, logits_to_keep, batch_size=None,
                                            compute_entropy=False, *args, **kwargs):
-        if self._odc_served is not None:
-            logps, entropies = self._odc_served  # the microbatch forward's log-probs of the samples TRL scores now
-            if logps.shape != (input_ids.shape[0], logits_to_keep):
-                raise RuntimeError(f"ds_odc: served log-probs of shape {tuple(logps.shape)} for a batch of "
-                                   f"{input_ids.shape[0]} x {logits_to_keep} completion tokens")
-            return logps, (entropies if compute_entropy else None), None
+        if isinstance(model, ServedLogps):  # the microbatch forward's log-probs of the samples TRL scores now
+            return model.serve(input_ids.shape[0], logits_to_keep, compute_entropy)
         if self.odc_padding_free and not args and not any(v not in (None, False) for v in kwargs.values()):
             return self._odc_packed_logps(model, input_ids, attention_mask, logits_to_keep, batch_size,
                                           compute_entropy)
@@ -331,29 +250,186 @@ class OdcGRPOTrainer(OdcStep, GRPOTrainer):
                     entropies[r, :completion_len[r]] = chunk_entropies[k]
         return logps, entropies, None
 
-    def _odc_step_samples(self) -> int:
-        return self.args.per_device_train_batch_size * self.current_gradient_accumulation_steps * self.args.world_size
 
-    # -- checkpoints --------------------------------------------------------------------------------------------------
-    def train(self, resume_from_checkpoint=None, *args, **kwargs):
-        if self.odc:
-            resume_from_checkpoint = resolve_checkpoint(self.args.output_dir, resume_from_checkpoint)
-            state = load_balancer_state(resume_from_checkpoint) if resume_from_checkpoint else None
-            if state is not None and isinstance(self.odc_cost, AutoCost) and "auto_cost" in state:
-                self.odc_cost.load_state_dict(state["auto_cost"])  # the resumed run plans as the uninterrupted one
-        return super().train(resume_from_checkpoint, *args, **kwargs)
-
-    def save_model(self, output_dir: str | None = None, _internal_call: bool = False) -> None:
-        super().save_model(output_dir, _internal_call=_internal_call)
-        if self.odc and _internal_call and isinstance(self.odc_cost, AutoCost) and self.args.should_save:
-            save_balancer_state(output_dir, {"auto_cost": self.odc_cost.state_dict()})
+def _refuse_options(args, trainer_kwargs: dict, options: BalancerOptions) -> None:
+    refused = _refusals(args, trainer_kwargs, options)
+    if refused:
+        raise ValueError("ds_odc: OdcGRPOTrainer with zero_optimization.odc does not support "
+                         + "; ".join(refused) + ". Change these options or turn ODC off.")
 
 
-def _cost(choice, model_config):
-    """The rollout plans' cost: a learned one (``"auto"`` or an ``AutoCost``), or a fixed ``CostModel``."""
-    if isinstance(choice, AutoCost):
-        return choice
-    return AutoCost(auto_cost_prior(model_config)) if choice == "auto" else get_cost_model(choice, model_config)
+def _refuse_peft_model(model) -> None:
+    if not isinstance(model, str):
+        from accelerate.utils import is_peft_model
+        if is_peft_model(model):
+            raise ValueError("ds_odc: OdcGRPOTrainer with zero_optimization.odc does not support a PeftModel "
+                             "(PEFT/LoRA adapters are not tested with ODC yet): train without ODC, or merge the "
+                             "adapter into a full fine-tune")
+
+
+def _refuse_built(trainer: OdcGRPOTrainer) -> None:
+    """What only the built trainer tells: TRL's instance attributes, a vision-language model, the MoE router loss."""
+    check_trl_instance(trainer, TRL_GRPO_PRIVATES)
+    if trainer._is_vlm or trainer.aux_loss_enabled:
+        raise ValueError("ds_odc: OdcGRPOTrainer with zero_optimization.odc does not support "
+                         + ("vision-language models (their image inputs are not moved between ranks yet)"
+                            if trainer._is_vlm else "the MoE router auxiliary loss (a per-microbatch term: set "
+                            "router_aux_loss_coef=0 or turn output_router_logits off)") + ". Turn ODC off for it.")
+    if trainer.ref_model is not None and trainer.args.sync_ref_model:
+        raise ValueError("ds_odc: sync_ref_model=True is not tested with ODC yet; set sync_ref_model=False")
+
+
+@dataclass(frozen=True)
+class ServedLogps:
+    """Per-token log-probs (and entropies) of a group of samples, rows x completion width, already computed by the
+    microbatch's forward: handed to TRL's loss in place of the model."""
+
+    logps: torch.Tensor
+    entropies: torch.Tensor
+
+    def serve(self, rows: int, logits_to_keep: int, compute_entropy: bool):
+        if self.logps.shape != (rows, logits_to_keep):
+            raise RuntimeError(f"ds_odc: served log-probs of shape {tuple(self.logps.shape)} for a batch of "
+                               f"{rows} x {logits_to_keep} completion tokens")
+        return self.logps, (self.entropies if compute_entropy else None), None
+
+
+@dataclass(frozen=True)
+class RolloutShare:
+    """A GRPO microbatch's inputs (:attr:`Microbatch.inputs <ds_odc.integrations._runner.Microbatch.inputs>`): its
+    samples, the plan of their generation batch, and TRL's ``num_items_in_batch`` of that batch."""
+
+    plan: rollout.RolloutPlan
+    samples: list[rollout.Sample]
+    num_items_in_batch: Any = None
+
+
+@dataclass(frozen=True)
+class _Rollout:
+    """The generation batch being trained: its plan, this rank's samples by global id, TRL's item count."""
+
+    plan: rollout.RolloutPlan
+    samples: dict[int, rollout.Sample]
+    num_items_in_batch: Any
+
+
+class RolloutRunner(OdcRunner):
+    """ODC on for GRPO: each optimizer step trains this rank's share of a re-planned rollout batch.
+
+    TRL's loop calls ``training_step`` once per accumulation step; the earlier ones only advance TRL's microstep
+    counter, and the last one trains the whole optimizer step: a new generation batch when TRL would generate one
+    (generated lockstep-free, scored, planned and exchanged, :mod:`ds_odc.integrations._rollout`), then this rank's
+    microbatches of it, with TRL's metrics recorded per stock microbatch and combined at the meeting."""
+
+    def __init__(self, trainer: OdcGRPOTrainer, options: BalancerOptions, *, padding_free: bool, residency: str,
+                 max_resident_bytes: int | None) -> None:
+        super().__init__(trainer, options)
+        self.cost = choose_cost(options.cost, getattr(trainer.model, "config", None))
+        self.padding_free = padding_free
+        self.residency = residency
+        self.max_resident_bytes = max_resident_bytes
+        self.rollout: _Rollout | None = None
+        self.generation = [0.0, 0]  # seconds and new tokens since the last optimizer step, this rank
+        self.microbatch_history: deque = deque(maxlen=1000)  # microbatches per rank, recent optimizer steps
+        self.plan_history: deque = deque(maxlen=1000)  # (global step, this rank's microbatches of global ids)
+
+    def generate(self, stock: Callable[[], tuple]) -> tuple:
+        """TRL's generation of one batch, lockstep-free on the ODC engine."""
+        trainer = self.trainer
+        if not is_odc_engine(trainer.model_wrapped):  # e.g. an inference-only engine before training
+            return stock()
+        gather = trainer.args.ds3_gather_for_generation
+        trainer.args.ds3_gather_for_generation = False  # TRL's collective full gather; lockstep_free decides instead
+        started = time.perf_counter()
+        try:
+            with lockstep_free(trainer.model_wrapped, residency=self.residency,
+                               max_resident_bytes=self.max_resident_bytes):
+                completion_ids, logprobs = stock()
+        finally:
+            trainer.args.ds3_gather_for_generation = gather
+        if trainer.model.training:
+            self.generation[0] += time.perf_counter() - started
+            self.generation[1] += sum(len(ids) for ids in completion_ids)
+        return completion_ids, logprobs
+
+    def training_step(self, model, inputs, num_items_in_batch, stock) -> torch.Tensor:
+        trainer = self.trainer
+        if not trainer.accelerator.sync_gradients:
+            # An earlier accumulation step of the stock loop: the whole optimizer step runs at its last one, where
+            # every rank trains its share of the step with its own number of microbatches.
+            trainer._step += 1
+            return torch.zeros((), device=trainer.args.device)
+        model.train()
+        gas = trainer.current_gradient_accumulation_steps
+        first = trainer._step - (gas - 1)  # TRL's microstep counter at the first accumulation step of this step
+        generate_every = trainer.args.steps_per_generation * trainer.num_iterations
+        if first % generate_every == 0 or self.rollout is None:
+            self.rollout = self._new_rollout(inputs, gas)
+        step_in_batch = (first % trainer.args.steps_per_generation) // gas
+        microbatches = self.rollout.plan.steps[step_in_batch][trainer.args.process_index]
+        self.plan_history.append((trainer.state.global_step, microbatches))
+        loss = self._train_share(model, microbatches)
+        trainer._step += 1
+        return loss
+
+    def _new_rollout(self, inputs, gas: int) -> _Rollout:
+        trainer = self.trainer
+        batch = trainer._generate_and_score_completions(inputs)
+        batch = shuffle_sequence_dict(batch)  # TRL's own shuffle of the generation batch, same random stream
+        plan = rollout.plan_rollout(batch, world=trainer.args.world_size,
+                                    batch_rows=trainer.args.per_device_train_batch_size, gas=gas,
+                                    planner=self.options.planner, cost=self.cost, max_tokens=self.options.max_tokens,
+                                    packed=self.padding_free)
+        return _Rollout(plan, rollout.exchange(batch, plan, trainer.args.process_index),
+                        batch.get("num_items_in_batch"))
+
+    def _train_share(self, model, microbatches: list[list[int]]) -> torch.Tensor:
+        trainer, current = self.trainer, self.rollout
+        metrics = SlotMetrics()
+        step_samples = (trainer.args.per_device_train_batch_size * trainer.current_gradient_accumulation_steps
+                        * trainer.args.world_size)
+        share = [Microbatch(RolloutShare(current.plan, [current.samples[g] for g in ids], current.num_items_in_batch),
+                            tuple(ids), tuple(current.plan.stock_microbatch(g)[1] for g in ids), metrics,
+                            step_samples=step_samples)
+                 for ids in microbatches]
+        logged = trainer._metrics["train"]
+        trainer._metrics["train"] = metrics.sink()  # TRL's loss logs here, rank-locally, by stock microbatch
+        try:
+            with rank_local_collectives(trainer.accelerator, on_reduce=metrics.on_reduce):
+                times = self.step(model, share, lambda mb: self._train_microbatch(model, mb))
+        finally:
+            trainer._metrics["train"] = logged
+        generation, self.generation = tuple(self.generation), [0.0, 0]
+        tokens, sq_tokens = current.plan.load(microbatches)
+        everyone = self.meet(times, tokens, sq_tokens, step_samples, payload=metrics.records, generation=generation)
+        self.microbatch_history.append([r.microbatches for r in self.meter.records[-1].per_rank])
+        for name, values in combine(everyone).items():  # one value per stock microbatch, as TRL appends them
+            logged[name].extend(values)
+        logged["step_time"].append(times.step_s)
+        return times.loss
+
+    def _train_microbatch(self, model, mb: Microbatch) -> torch.Tensor:
+        trainer = self.trainer
+        with trainer.compute_loss_context_manager():
+            loss = trainer.odc_loss(model, mb)
+        trainer.accelerator.backward(loss, scale_wrt_gas=False)
+        return loss.detach()
+
+    def microbatch_context(self, model, mb: Microbatch) -> ContextManager:
+        # Packed attention through the backward too: gradient checkpointing runs each layer's forward again there
+        return packed_attention(model) if self.padding_free else contextlib.nullcontext()
+
+    # -- checkpoints ------------------------------------------------------------------------------------------------
+    def resume_from(self, checkpoint):
+        checkpoint = super().resume_from(checkpoint)
+        state = load_balancer_state(checkpoint) if checkpoint else None
+        if state is not None and isinstance(self.cost, AutoCost) and "auto_cost" in state:
+            self.cost.load_state_dict(state["auto_cost"])  # the resumed run plans as the uninterrupted one
+        return checkpoint
+
+    def save(self, folder: str) -> None:
+        if isinstance(self.cost, AutoCost) and self.trainer.args.should_save:
+            save_balancer_state(folder, {"auto_cost": self.cost.state_dict()})
 
 
 def _rows(values: list[torch.Tensor], width: int) -> torch.Tensor:

@@ -18,6 +18,7 @@ arguments, fed this minibatch in the plan's order, trains accumulation step ``k`
 
 from __future__ import annotations
 
+import contextlib
 from collections import defaultdict
 
 import numpy as np
@@ -25,7 +26,7 @@ import torch
 from trl import SFTTrainer
 
 from ds_odc.integrations._hf_privates import TRL_SFT_PRIVATES, check_trl, check_trl_instance, rank_local_collectives
-from ds_odc.integrations._stock_metrics import SlotMetrics, combine
+from ds_odc.integrations._runner import Microbatch
 from ds_odc.integrations.transformers import OdcTrainer
 
 __all__ = ["OdcSFTTrainer"]
@@ -37,7 +38,8 @@ RECONSTRUCTED = ("entropy", "mean_token_accuracy", "num_tokens")
 
 class OdcSFTTrainer(OdcTrainer, SFTTrainer):
     """``trl.SFTTrainer`` that trains with ODC + LB-Mini when the DeepSpeed config turns ``odc`` on (see the module
-    docstring; balancer arguments as ``OdcTrainer``'s)."""
+    docstring; balancer arguments as ``OdcTrainer``'s). Adds to ``OdcTrainer`` SFT's collator and the reconstruction
+    of SFTTrainer's metrics."""
 
     def __init__(self, model=None, args=None, *trainer_args, microbatch_collator="trainer",
                  packed_attention: bool | None = None, **kwargs):
@@ -45,34 +47,24 @@ class OdcSFTTrainer(OdcTrainer, SFTTrainer):
             packed_attention = bool(getattr(args, "padding_free", False))
         super().__init__(model, args, *trainer_args, microbatch_collator=microbatch_collator,
                          packed_attention=packed_attention, **kwargs)
-        self._odc_outputs: list | None = None  # the fused forward's outputs while ODC trains a microbatch
-        self._odc_slot_metrics: SlotMetrics | None = None
         if self.odc:
             check_trl_instance(self, TRL_SFT_PRIVATES)
-            self.model.register_forward_hook(self._odc_keep_outputs)
 
-    def _odc_keep_outputs(self, module, args, output):
-        if self._odc_outputs is not None:
-            self._odc_outputs.append(output)
-
-    def compute_loss(self, model, inputs, return_outputs=False, num_items_in_batch=None):
-        ids = self._odc_pack_ids
-        if not (self.odc and model.training and ids is not None):
-            return super().compute_loss(model, inputs, return_outputs, num_items_in_batch)
+    def odc_loss(self, model, mb: Microbatch, return_outputs=False, num_items_in_batch=None):
         logged, tokens = self._metrics["train"], self._total_train_tokens
-        self._metrics["train"], self._odc_outputs = defaultdict(list), []
+        self._metrics["train"] = defaultdict(list)
         try:
-            with rank_local_collectives(self.accelerator):
-                out = super().compute_loss(model, inputs, return_outputs, num_items_in_batch)
-            scratch, outputs = self._metrics["train"], self._odc_outputs
+            with rank_local_collectives(self.accelerator), _forward_outputs(self.model) as outputs:
+                out = super().odc_loss(model, mb, return_outputs, num_items_in_batch)
+            scratch = self._metrics["train"]
         finally:
-            self._metrics["train"], self._total_train_tokens, self._odc_outputs = logged, tokens, None
-        self._odc_record(inputs, ids, outputs[-1], scratch)
+            self._metrics["train"], self._total_train_tokens = logged, tokens
+        self._odc_record(mb, outputs[-1], scratch)
         return out
 
-    def _odc_record(self, inputs, ids: list[int], outputs, scratch) -> None:
+    def _odc_record(self, mb: Microbatch, outputs, scratch) -> None:
         """Each sample's entropy sum, correct and label tokens, under the stock accumulation step it belongs to."""
-        metrics = self._odc_slot_metrics
+        ids, metrics = list(mb.sample_ids), mb.metrics
         stats = torch.stack([outputs.entropy.detach().float(), outputs.is_top1.float(), outputs.label_mask.float()])
         if stats.shape[1] == 1 and len(ids) > 1:  # one padding-free row: output t scores token t + 1
             lengths = self.odc_pack_sampler.sampler.lengths[ids]
@@ -81,8 +73,7 @@ class OdcSFTTrainer(OdcTrainer, SFTTrainer):
             sums = stats.new_zeros((3, len(ids) + 1)).index_add_(1, owner, stats[:, 0])[:, :len(ids)]
         else:  # one sample per row
             sums = stats.sum(2)
-        for (entropy, correct, valid), g in zip(sums.T.tolist(), ids):
-            slot = self._odc_slot_of[g]
+        for (entropy, correct, valid), slot in zip(sums.T.tolist(), mb.slots):
             metrics.add_mean("entropy", slot, entropy, valid)
             metrics.add_mean("mean_token_accuracy", slot, correct, valid)
         metrics.slot = 0
@@ -91,18 +82,9 @@ class OdcSFTTrainer(OdcTrainer, SFTTrainer):
                 for value in values:
                     metrics.add(name, value)
 
-    def _odc_begin_step(self, pack):
-        order = self.odc_pack_sampler.sampler.epoch_order(pack.epoch)
-        G = pack.num_samples
-        per_step = self.args.per_device_train_batch_size * self.args.world_size
-        minibatch = order[pack.step * G:(pack.step + 1) * G].tolist()
-        self._odc_slot_of = {g: i // per_step for i, g in enumerate(minibatch)}
-        self._odc_slot_metrics = SlotMetrics()
-        return self._odc_slot_metrics.records
-
-    def _odc_end_step(self, pack, everyone) -> None:
+    def odc_step_metrics(self, pack, metrics: dict[str, list[float]]) -> None:
         logged = self._metrics["train"]
-        for name, values in combine(everyone).items():
+        for name, values in metrics.items():
             logged[name].extend(values)
         self._total_train_tokens += self._odc_stock_tokens(pack)
         logged["num_tokens"] = [self._total_train_tokens]
@@ -111,12 +93,23 @@ class OdcSFTTrainer(OdcTrainer, SFTTrainer):
         """Tokens SFTTrainer counts for this minibatch: per stock microbatch (``B`` consecutive samples of the
         minibatch), the padding-free row's width, or the real tokens of a padded batch."""
         lengths = self.odc_pack_sampler.sampler.lengths
-        order = self.odc_pack_sampler.sampler.epoch_order(pack.epoch)
+        minibatch = self.odc_runner.minibatch_ids(pack)
         G, B = pack.num_samples, self.args.per_device_train_batch_size
-        minibatch = order[pack.step * G:(pack.step + 1) * G]
         multiple = self.args.pad_to_multiple_of if self.args.padding_free else None
         total = 0
         for start in range(0, G, B):
             n = int(lengths[minibatch[start:start + B]].sum())
             total += -(-n // multiple) * multiple if multiple else n
         return total
+
+
+@contextlib.contextmanager
+def _forward_outputs(model):
+    """The outputs of every forward of ``model`` inside the block (TRL's fused LM head returns per-token entropy,
+    top-1 hits and the label mask), in a list."""
+    outputs: list = []
+    handle = model.register_forward_hook(lambda module, args, output: outputs.append(output))
+    try:
+        yield outputs
+    finally:
+        handle.remove()

@@ -13,7 +13,7 @@ from typing import Any, Mapping
 import numpy as np
 import torch
 
-from ds_odc.balancer import FittedCost, QuadraticCost
+from ds_odc.balancer import FittedCost, choose_cost
 from ds_odc.balancer.planners import DEFAULT_PLANNER, PLANNERS, get_planner
 from ds_odc.balancer.presets import MODEL_SHAPES, PRESETS
 from ds_odc.balancer.sp import DEFAULT_EFFICIENCY, SplitPolicy
@@ -107,15 +107,15 @@ def samples_from_args(args: argparse.Namespace) -> tuple[np.ndarray, list[list[i
 
 
 def cost_from_args(args: argparse.Namespace, model_config):
-    """The balancer's cost of a sample, from ``--cost`` (and ``--cost-coeffs``)."""
-    if args.cost == "quadratic":
-        return QuadraticCost.from_hf_config(model_config)
-    if args.cost == "fitted":
+    """The balancer's cost of a sample, from ``--cost`` (and ``--cost-coeffs``), chosen as every trainer chooses it
+    (:func:`ds_odc.balancer.choose_cost`): ``auto`` is an ``AutoCost`` starting from the model's shape."""
+    choice = args.cost
+    if choice == "fitted":
         if not args.cost_coeffs:
             raise SystemExit("--cost fitted needs --cost-coeffs A,B,C (cost = A*L + B*L^2 + C)")
         a, b, c = (float(x) for x in args.cost_coeffs.split(","))
-        return FittedCost(a=a, b=b, c=c)
-    return args.cost  # "auto" (the sampler fits it; pass it the model config) or "tokens"
+        choice = FittedCost(a=a, b=b, c=c)
+    return choose_cost(choice, model_config)
 
 
 def split_policy_from_args(args: argparse.Namespace, model_config) -> SplitPolicy | None:
