@@ -1,8 +1,8 @@
 """The main job: the same SFT run under stock ZeRO-3 and under ZeRO-3 + ODC, side by side.
 
 Trains a tiny Qwen2-shaped model (random init, nothing downloaded) on long-tail sequence lengths on N CPU ranks,
-four times on the same samples, all in one ``torchrun`` launch (``examples/sft.py``'s training loop, mode after
-mode): stock ZeRO-3 with the usual per-rank sort, stock ZeRO-3 with balanced microbatches (``lb-micro``), ODC with
+four times on the same samples, all in one ``torchrun`` launch (the training loop of ``examples/sft.py``,
+``ds_odc.recipes.train``, mode after mode): stock ZeRO-3 with the usual per-rank sort, stock ZeRO-3 with balanced microbatches (``lb-micro``), ODC with
 ``lb-micro``, and ODC with ``lb-mini`` (different microbatch counts per rank). Every mode balances the automatic
 cost, which it refits from its own measured step times. Prints the per-step losses, which must agree across modes,
 then each mode's samples/s (and its speed against the first mode), the share of time ODC's ranks wait for each other
@@ -63,10 +63,10 @@ def sft_argv(config: str, balancer: str, args) -> list[str]:
 
 def worker(args) -> None:
     """Runs on every rank: one process group, the four modes one after the other."""
-    sys.path.insert(0, str(ROOT / "examples"))
-    import sft
     import torch.distributed as dist
 
+    from ds_odc.recipes.sft import sft_argument_parser
+    from ds_odc.recipes.train import train
     from ds_odc.training.distributed import init_distributed, shutdown_and_exit
 
     init_distributed()
@@ -75,7 +75,7 @@ def worker(args) -> None:
         if dist.get_rank() == 0:
             print(f"running {label} ...", flush=True)
         started = time.perf_counter()
-        out = sft.train(sft.parse_args(sft_argv(config, balancer, args)))
+        out = train(sft_argument_parser().parse_args(sft_argv(config, balancer, args)))
         if out is not None:
             out["wall_s"] = time.perf_counter() - started
             runs[label] = out

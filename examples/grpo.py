@@ -31,7 +31,7 @@ import torch
 
 import ds_odc  # noqa: F401  (teaches DeepSpeed the `odc` key before GRPOConfig and the model)
 from ds_odc.training.distributed import init_distributed, shutdown
-from toy_text import char_tokenizer  # examples/toy_text.py, next to this script
+from ds_odc.recipes.toy_text import char_tokenizer
 
 PRESETS = {
     "tiny": dict(hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,

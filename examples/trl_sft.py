@@ -21,8 +21,8 @@ import torch
 
 import ds_odc  # noqa: F401  (teaches DeepSpeed the `odc` key before SFTConfig and the model)
 from ds_odc.integrations import match_accelerate_backend
+from ds_odc.recipes.toy_text import char_tokenizer
 from ds_odc.training.distributed import init_distributed, shutdown
-from toy_text import char_tokenizer  # examples/toy_text.py, next to this script
 
 
 def parse_args():
