@@ -30,7 +30,7 @@ import re
 import torch
 
 import ds_odc  # noqa: F401  (teaches DeepSpeed the `odc` key before GRPOConfig and the model)
-from ds_odc.training.distributed import init_distributed, shutdown
+from ds_odc.training.distributed import init_distributed, output_folder, shutdown
 from ds_odc.recipes.toy_text import char_tokenizer
 
 PRESETS = {
@@ -57,7 +57,7 @@ def parse_args():
                                                     "the largest microbatch the stock trainer would run)")
     p.add_argument("--residency", default="auto", choices=["auto", "full", "block"],
                    help="generation: keep the read parameters for the whole generate call (full) or read per block")
-    p.add_argument("--output-dir", default="runs/grpo")
+    p.add_argument("--output-dir", help="where the trainer writes (default: a temporary folder, removed at the end)")
     p.add_argument("--shared-gpu", action="store_true",
                    help="every rank on one GPU (torch.distributed over gloo): several ranks on a one-GPU machine, for correctness, not speed")
     p.add_argument("--local_rank", type=int, default=None)
@@ -125,11 +125,11 @@ def main():
                             "zero_optimization": zero, "zero_allow_untested_optimizer": True,
                             "steps_per_print": 10**9}
     config = GRPOConfig(
-        output_dir=args.output_dir, per_device_train_batch_size=args.per_device_batch,
+        output_dir=output_folder(args.output_dir, "ds_odc_grpo_"), per_device_train_batch_size=args.per_device_batch,
         num_generations=args.num_generations, gradient_accumulation_steps=args.grad_accum, max_steps=args.max_steps,
         max_completion_length=args.max_new_tokens, loss_type=args.loss_type, learning_rate=1e-4 if on_gpu else 1e-3,
         beta=0.0, logging_steps=1, save_strategy="no", report_to=[], use_cpu=not on_gpu, bf16=on_gpu,
-        gradient_checkpointing=on_gpu, optim="adamw_torch", seed=0, disable_tqdm=True, log_completions=False,
+        activation_checkpointing=on_gpu, optim="adamw_torch", seed=0, disable_tqdm=True, log_completions=False,
         reward_weights=[1.0, 0.2], deepspeed=deepspeed_config, dataloader_num_workers=0,
     )
     tokenizer = AutoTokenizer.from_pretrained(args.model) if args.model else char_tokenizer()
