@@ -41,6 +41,8 @@ def test_stock_and_odc_modes_give_the_same_loss_curve(tmp_path):
     shown = runs["lb_mini_against_lb_micro"]
     waited_less = sum(mini[i]["bubble_rate"] < micro[i]["bubble_rate"] for i in timed)
     assert shown["steps"] == 14 and shown["waited_less"] == waited_less and shown["heaviest_rank_fewer_samples"] >= fewer
+    # What the README states of the main job, as it held in 10 runs on 2 loaded cores (bubble 12-20% against 28-34%).
+    assert shown["bubble"]["lb-mini"] < shown["bubble"]["lb-micro"], shown
     assert (f"lb-mini's ranks waited less in {waited_less} of 14 steps; bubble "
             f"{runs['runs']['odc + lb-mini']['summary']['bubble_rate']:.1%} against "
             f"{runs['runs']['odc + lb-micro']['summary']['bubble_rate']:.1%}") in proc.stdout, proc.stdout

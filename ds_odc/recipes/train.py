@@ -209,10 +209,11 @@ def _print_summary(summary: dict, records: list[StepRecord]) -> None:
     fitted = next((r.cost for r in reversed(records) if r.cost and r.cost["fitted"]), None)
     if fitted:
         per_mb = "" if fitted["c_measured"] else " (not measured: every rank ran the same count)"
+        predicted = ("" if fitted["predicted_step_s"] is None else  # the fit first existed after the last step
+                     f"; last step predicted {fitted['predicted_step_s']:.3f} s busy, measured "
+                     f"{fitted['measured_step_s']:.3f} s")
         print(f"automatic cost: {fitted['a']:.3g} s/token + {fitted['b']:.3g} s/token^2 + {fitted['c']:.3g} s "
-              f"per microbatch{per_mb} + {fitted['d']:.3g} s per step; last step predicted "
-              f"{fitted['predicted_step_s'] or float('nan'):.3f} s busy, measured "
-              f"{fitted['measured_step_s']:.3f} s", flush=True)
+              f"per microbatch{per_mb} + {fitted['d']:.3g} s per step{predicted}", flush=True)
 
 
 def draw_timeline(records: list[StepRecord], path: str) -> None:
