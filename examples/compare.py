@@ -184,13 +184,13 @@ def report(runs: dict, args) -> tuple[float, dict]:
 
     shown = lb_mini_against_lb_micro(runs, args.warmup_steps)
     n, bubble, rate = shown["steps"], shown["bubble"], shown["samples_per_s"]
+    fewer, speed = shown["heaviest_rank_fewer_samples"], rate["lb-mini"] / rate["lb-micro"]
     print(f"\nlb-mini against lb-micro (both ODC), same minibatches, steps {shown['first_step']}-{args.steps - 1}:\n"
-          f"  the rank with the most tokens trained fewer samples than another in {shown['heaviest_rank_fewer_samples']}"
-          f" of {n} steps\n"
+          f"  the rank with the most tokens trained fewer samples than another in {fewer} of {n} steps\n"
           f"  lb-mini's ranks waited less in {shown['waited_less']} of {n} steps; bubble {bubble['lb-mini']:.1%} "
           f"against {bubble['lb-micro']:.1%}\n"
-          f"  samples/s {rate['lb-mini']:.1f} against {rate['lb-micro']:.1f} ({rate['lb-mini'] / rate['lb-micro']:.2f}x;"
-          " the modes run one after another, so other programs' load moves this more than the bubble)")
+          f"  samples/s {rate['lb-mini']:.1f} against {rate['lb-micro']:.1f} ({speed:.2f}x; the modes run one after "
+          "another, so other programs' load moves this more than the bubble)")
 
     print("\nautomatic cost at the end of each run (busy = a*tokens + b*sum L^2 + c*microbatches + d)")
     for label in labels:

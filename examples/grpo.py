@@ -8,11 +8,11 @@ stops. The policy is a random-init Qwen2 with a character tokenizer built in cod
 done, then LB-Mini spreads the step's completions over the ranks by cost.
 
 CPU, 2 ranks (seconds):
-    torchrun --standalone --nproc_per_node 2 examples/grpo.py
-    accelerate launch --config_file ds_configs/accelerate_zero3_odc_cpu.yaml examples/grpo.py
-    torchrun --standalone --nproc_per_node 2 examples/grpo.py --no-odc     # stock GRPOTrainer + stock ZeRO-3
+    .venv/bin/torchrun --standalone --nproc_per_node 2 examples/grpo.py
+    .venv/bin/accelerate launch --config_file ds_configs/accelerate_zero3_odc_cpu.yaml examples/grpo.py
+    .venv/bin/torchrun --standalone --nproc_per_node 2 examples/grpo.py --no-odc     # stock GRPOTrainer + stock ZeRO-3
 GPU, one node (Qwen2-1.5B shape, bf16):
-    accelerate launch --config_file ds_configs/accelerate_zero3_odc.yaml examples/grpo.py --preset 1.5b
+    .venv/bin/accelerate launch --config_file ds_configs/accelerate_zero3_odc.yaml examples/grpo.py --preset 1.5b
 
 Every log line carries, besides TRL's metrics: ``odc/microbatches_rank{r}`` (microbatches each rank trained),
 ``odc/bubble`` (share of rank-time not spent in forward/backward), ``odc/generation_tokens_per_second`` (new tokens

@@ -1,10 +1,10 @@
 """Causal-LM fine-tuning with the Hugging Face Trainer and ds_odc (ODC + LB-Mini), on synthetic variable-length data.
 
 CPU (tiny random model, nothing downloaded):
-    torchrun --standalone --nproc_per_node 2 examples/hf_trainer_sft.py            # ODC + LB-Mini
-    torchrun --standalone --nproc_per_node 2 examples/hf_trainer_sft.py --no-odc   # stock Trainer + ZeRO-3 baseline
+    .venv/bin/torchrun --standalone --nproc_per_node 2 examples/hf_trainer_sft.py            # ODC + LB-Mini
+    .venv/bin/torchrun --standalone --nproc_per_node 2 examples/hf_trainer_sft.py --no-odc   # stock Trainer, ZeRO-3
 GPU (bigger presets, bf16):
-    torchrun --standalone --nproc_per_node 8 examples/hf_trainer_sft.py --preset 1b --bf16
+    .venv/bin/torchrun --standalone --nproc_per_node 8 examples/hf_trainer_sft.py --preset 1b --bf16
 
 The model is random-init from a config, so the loss only shows that training runs; the odc/* columns of the logs
 (bubble, samples/s, microbatches per rank) are the point. See docs/HF_TRAINER.md.
@@ -94,7 +94,8 @@ def main():
     on_gpu = torch.cuda.is_available()
     training_args = TrainingArguments(
         output_dir=output_folder(args.output_dir, "ds_odc_hf_trainer_sft_"),
-        per_device_train_batch_size=args.per_device_batch, gradient_accumulation_steps=args.grad_accum, max_steps=args.max_steps, learning_rate=args.lr,
+        per_device_train_batch_size=args.per_device_batch, gradient_accumulation_steps=args.grad_accum,
+        max_steps=args.max_steps, learning_rate=args.lr,
         lr_scheduler_type="constant", max_grad_norm=1.0, logging_steps=args.logging_steps,
         save_strategy="steps" if args.save_steps else "no", save_steps=args.save_steps or 500,
         report_to=[], use_cpu=not on_gpu, optim="adamw_torch", bf16=args.bf16, deepspeed=ds_config(args.odc, args.bf16),

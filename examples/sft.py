@@ -1,6 +1,6 @@
 """Supervised fine-tuning with DeepSpeed ZeRO-3, with or without ODC, on imbalanced sequence lengths.
 
-    torchrun --standalone --nproc_per_node 2 examples/sft.py --deepspeed ds_configs/zero3_odc_fp32_cpu.json \\
+    .venv/bin/torchrun --standalone --nproc_per_node 2 examples/sft.py --deepspeed ds_configs/zero3_odc_fp32_cpu.json \\
         --balancer lb-mini --model tiny --preset baselines-longtail --length-scale 0.004 --steps 5
 
 The logged loss is the global mean token loss of each minibatch, the same quantity in every mode, so stock and ODC

@@ -1,9 +1,9 @@
 """TRL's SFTTrainer with ds_odc (ODC + LB-Mini): ``ds_odc.integrations.trl_sft.OdcSFTTrainer``.
 
 CPU (tiny random model, a character tokenizer built in code, synthetic prompt/completion text; nothing downloaded):
-    torchrun --standalone --nproc_per_node 2 examples/trl_sft.py
-    torchrun --standalone --nproc_per_node 2 examples/trl_sft.py --no-odc    # stock SFTTrainer + ZeRO-3
-    accelerate launch --config_file ds_configs/accelerate_zero3_odc_cpu.yaml examples/trl_sft.py
+    .venv/bin/torchrun --standalone --nproc_per_node 2 examples/trl_sft.py
+    .venv/bin/torchrun --standalone --nproc_per_node 2 examples/trl_sft.py --no-odc    # stock SFTTrainer + ZeRO-3
+    .venv/bin/accelerate launch --config_file ds_configs/accelerate_zero3_odc_cpu.yaml examples/trl_sft.py
 
 ``OdcSFTTrainer`` is ``OdcTrainer`` + ``SFTTrainer``: each microbatch is collated by SFT's own collator (prompts
 masked, padding-free rows), and the metrics SFTTrainer logs (entropy, mean_token_accuracy, num_tokens) are the values
