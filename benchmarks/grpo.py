@@ -11,7 +11,7 @@ prompts of a quarter to all of ``--prompt-len`` tokens, completion lengths long-
 With ``--rollout scripted`` (default) the completions are drawn tokens (TRL's ``rollout_func``), so the step is the
 training phase plus TRL's scoring; ``--rollout generate`` decodes them with the policy (sampling, each completion
 forced to end at its drawn length), through lockstep-free generation under ODC and TRL's full-model gather under
-stock ZeRO-3. Nothing is downloaded: the tokenizer is a character tokenizer built in code (``examples/toy_text.py``)
+stock ZeRO-3. Nothing is downloaded: the tokenizer is a character tokenizer built in code (``ds_odc.recipes.toy_text``)
 and the model's shape comes from ``ds_odc.balancer.presets.MODEL_SHAPES``.
 
 | mode | trainer |
@@ -106,8 +106,7 @@ def run_worker(args) -> dict:
     from trl import GRPOConfig, GRPOTrainer
 
     from ds_odc.integrations.trl_grpo import OdcGRPOTrainer
-    sys.path.insert(0, str(ROOT / "examples"))
-    from toy_text import char_tokenizer
+    from ds_odc.recipes.toy_text import char_tokenizer
 
     mode, on_gpu = args.worker, torch.cuda.is_available()
     world, rank = dist.get_world_size(), dist.get_rank()
@@ -245,8 +244,7 @@ def save_model(args, folder: Path) -> None:
     from transformers import AutoModelForCausalLM, Qwen2Config
 
     from ds_odc.balancer.presets import MODEL_SHAPES
-    sys.path.insert(0, str(ROOT / "examples"))
-    from toy_text import char_tokenizer
+    from ds_odc.recipes.toy_text import char_tokenizer
     tokenizer = char_tokenizer()
     config = Qwen2Config(**MODEL_SHAPES[SHAPES[args.model]],
                          max_position_embeddings=args.prompt_len + args.max_completion + 64,

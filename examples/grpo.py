@@ -8,11 +8,11 @@ stops. The policy is a random-init Qwen2 with a character tokenizer built in cod
 done, then LB-Mini spreads the step's completions over the ranks by cost.
 
 CPU, 2 ranks (seconds):
-    torchrun --standalone --nproc_per_node 2 examples/grpo.py
-    accelerate launch --config_file ds_configs/accelerate_zero3_odc_cpu.yaml examples/grpo.py
-    torchrun --standalone --nproc_per_node 2 examples/grpo.py --no-odc     # stock GRPOTrainer + stock ZeRO-3
+    .venv/bin/torchrun --standalone --nproc_per_node 2 examples/grpo.py
+    .venv/bin/accelerate launch --config_file ds_configs/accelerate_zero3_odc_cpu.yaml examples/grpo.py
+    .venv/bin/torchrun --standalone --nproc_per_node 2 examples/grpo.py --no-odc     # stock GRPOTrainer + stock ZeRO-3
 GPU, one node (Qwen2-1.5B shape, bf16):
-    accelerate launch --config_file ds_configs/accelerate_zero3_odc.yaml examples/grpo.py --preset 1.5b
+    .venv/bin/accelerate launch --config_file ds_configs/accelerate_zero3_odc.yaml examples/grpo.py --preset 1.5b
 
 Every log line carries, besides TRL's metrics: ``odc/microbatches_rank{r}`` (microbatches each rank trained),
 ``odc/bubble`` (share of rank-time not spent in forward/backward), ``odc/generation_tokens_per_second`` (new tokens
@@ -30,8 +30,8 @@ import re
 import torch
 
 import ds_odc  # noqa: F401  (teaches DeepSpeed the `odc` key before GRPOConfig and the model)
-from ds_odc.training.distributed import init_distributed, shutdown
-from toy_text import char_tokenizer  # examples/toy_text.py, next to this script
+from ds_odc.training.distributed import init_distributed, output_folder, shutdown
+from ds_odc.recipes.toy_text import char_tokenizer
 
 PRESETS = {
     "tiny": dict(hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
@@ -57,7 +57,7 @@ def parse_args():
                                                     "the largest microbatch the stock trainer would run)")
     p.add_argument("--residency", default="auto", choices=["auto", "full", "block"],
                    help="generation: keep the read parameters for the whole generate call (full) or read per block")
-    p.add_argument("--output-dir", default="runs/grpo")
+    p.add_argument("--output-dir", help="where the trainer writes (default: a temporary folder, removed at the end)")
     p.add_argument("--shared-gpu", action="store_true",
                    help="every rank on one GPU (torch.distributed over gloo): several ranks on a one-GPU machine, for correctness, not speed")
     p.add_argument("--local_rank", type=int, default=None)
@@ -125,11 +125,11 @@ def main():
                             "zero_optimization": zero, "zero_allow_untested_optimizer": True,
                             "steps_per_print": 10**9}
     config = GRPOConfig(
-        output_dir=args.output_dir, per_device_train_batch_size=args.per_device_batch,
+        output_dir=output_folder(args.output_dir, "ds_odc_grpo_"), per_device_train_batch_size=args.per_device_batch,
         num_generations=args.num_generations, gradient_accumulation_steps=args.grad_accum, max_steps=args.max_steps,
         max_completion_length=args.max_new_tokens, loss_type=args.loss_type, learning_rate=1e-4 if on_gpu else 1e-3,
         beta=0.0, logging_steps=1, save_strategy="no", report_to=[], use_cpu=not on_gpu, bf16=on_gpu,
-        gradient_checkpointing=on_gpu, optim="adamw_torch", seed=0, disable_tqdm=True, log_completions=False,
+        activation_checkpointing=on_gpu, optim="adamw_torch", seed=0, disable_tqdm=True, log_completions=False,
         reward_weights=[1.0, 0.2], deepspeed=deepspeed_config, dataloader_num_workers=0,
     )
     tokenizer = AutoTokenizer.from_pretrained(args.model) if args.model else char_tokenizer()

@@ -1,10 +1,10 @@
 """Causal-LM fine-tuning with the Hugging Face Trainer and ds_odc (ODC + LB-Mini), on synthetic variable-length data.
 
 CPU (tiny random model, nothing downloaded):
-    torchrun --standalone --nproc_per_node 2 examples/hf_trainer_sft.py            # ODC + LB-Mini
-    torchrun --standalone --nproc_per_node 2 examples/hf_trainer_sft.py --no-odc   # stock Trainer + ZeRO-3 baseline
+    .venv/bin/torchrun --standalone --nproc_per_node 2 examples/hf_trainer_sft.py            # ODC + LB-Mini
+    .venv/bin/torchrun --standalone --nproc_per_node 2 examples/hf_trainer_sft.py --no-odc   # stock Trainer, ZeRO-3
 GPU (bigger presets, bf16):
-    torchrun --standalone --nproc_per_node 8 examples/hf_trainer_sft.py --preset 1b --bf16
+    .venv/bin/torchrun --standalone --nproc_per_node 8 examples/hf_trainer_sft.py --preset 1b --bf16
 
 The model is random-init from a config, so the loss only shows that training runs; the odc/* columns of the logs
 (bubble, samples/s, microbatches per rank) are the point. See docs/HF_TRAINER.md.
@@ -18,7 +18,7 @@ import torch
 
 import ds_odc  # noqa: F401  (teaches DeepSpeed the `odc` key: import before TrainingArguments and the model)
 from ds_odc.balancer.planners import DEFAULT_PLANNER, PLANNERS
-from ds_odc.training.distributed import init_distributed, shutdown
+from ds_odc.training.distributed import init_distributed, output_folder, shutdown
 
 PRESETS = {  # name: (hidden, layers, heads, kv heads, intermediate, vocab, max_tokens_per_microbatch, max_len)
     "tiny": (64, 2, 4, 4, 128, 1000, 128, 128),
@@ -43,7 +43,8 @@ def parse_args():
     p.add_argument("--lr", type=float, default=3e-4)
     p.add_argument("--bf16", action="store_true")
     p.add_argument("--attn", default="sdpa", help="attn_implementation (sdpa, flash_attention_2, ...)")
-    p.add_argument("--output-dir", default="runs/hf_trainer_sft")
+    p.add_argument("--output-dir", help="where checkpoints go (default: a temporary folder, removed at the end; "
+                                        "--save-steps and --resume need a folder of yours)")
     p.add_argument("--save-steps", type=int, default=0, help="checkpoint every N steps (0: no checkpoints)")
     p.add_argument("--resume", action="store_true", help="resume from the last checkpoint in --output-dir")
     p.add_argument("--logging-steps", type=int, default=1)
@@ -77,6 +78,8 @@ def ds_config(odc: bool, bf16: bool) -> dict:
 
 def main():
     args = parse_args()
+    if (args.save_steps or args.resume) and args.output_dir is None:
+        raise SystemExit("--save-steps and --resume keep checkpoints between runs: name their folder with --output-dir")
     # Before TrainingArguments: then HF's zero.Init sees the real world size (on CPU nothing else would set it).
     init_distributed(shared_gpu=args.shared_gpu or None)
     from transformers import AutoModelForCausalLM, LlamaConfig, Trainer, TrainingArguments
@@ -90,8 +93,9 @@ def main():
     max_len = min(args.max_len or max_len, max_tokens)
     on_gpu = torch.cuda.is_available()
     training_args = TrainingArguments(
-        output_dir=args.output_dir, per_device_train_batch_size=args.per_device_batch,
-        gradient_accumulation_steps=args.grad_accum, max_steps=args.max_steps, learning_rate=args.lr,
+        output_dir=output_folder(args.output_dir, "ds_odc_hf_trainer_sft_"),
+        per_device_train_batch_size=args.per_device_batch, gradient_accumulation_steps=args.grad_accum,
+        max_steps=args.max_steps, learning_rate=args.lr,
         lr_scheduler_type="constant", max_grad_norm=1.0, logging_steps=args.logging_steps,
         save_strategy="steps" if args.save_steps else "no", save_steps=args.save_steps or 500,
         report_to=[], use_cpu=not on_gpu, optim="adamw_torch", bf16=args.bf16, deepspeed=ds_config(args.odc, args.bf16),

@@ -1,9 +1,9 @@
 """TRL's SFTTrainer with ds_odc (ODC + LB-Mini): ``ds_odc.integrations.trl_sft.OdcSFTTrainer``.
 
 CPU (tiny random model, a character tokenizer built in code, synthetic prompt/completion text; nothing downloaded):
-    torchrun --standalone --nproc_per_node 2 examples/trl_sft.py
-    torchrun --standalone --nproc_per_node 2 examples/trl_sft.py --no-odc    # stock SFTTrainer + ZeRO-3
-    accelerate launch --config_file ds_configs/accelerate_zero3_odc_cpu.yaml examples/trl_sft.py
+    .venv/bin/torchrun --standalone --nproc_per_node 2 examples/trl_sft.py
+    .venv/bin/torchrun --standalone --nproc_per_node 2 examples/trl_sft.py --no-odc    # stock SFTTrainer + ZeRO-3
+    .venv/bin/accelerate launch --config_file ds_configs/accelerate_zero3_odc_cpu.yaml examples/trl_sft.py
 
 ``OdcSFTTrainer`` is ``OdcTrainer`` + ``SFTTrainer``: each microbatch is collated by SFT's own collator (prompts
 masked, padding-free rows), and the metrics SFTTrainer logs (entropy, mean_token_accuracy, num_tokens) are the values
@@ -21,8 +21,8 @@ import torch
 
 import ds_odc  # noqa: F401  (teaches DeepSpeed the `odc` key before SFTConfig and the model)
 from ds_odc.integrations import match_accelerate_backend
-from ds_odc.training.distributed import init_distributed, shutdown
-from toy_text import char_tokenizer  # examples/toy_text.py, next to this script
+from ds_odc.recipes.toy_text import char_tokenizer
+from ds_odc.training.distributed import init_distributed, output_folder, shutdown
 
 
 def parse_args():
@@ -33,7 +33,7 @@ def parse_args():
     p.add_argument("--grad-accum", type=int, default=2)
     p.add_argument("--max-tokens", type=int, default=512, help="token budget per microbatch")
     p.add_argument("--num-samples", type=int, default=256)
-    p.add_argument("--output-dir", default="runs/trl_sft")
+    p.add_argument("--output-dir", help="where the trainer writes (default: a temporary folder, removed at the end)")
     p.add_argument("--shared-gpu", action="store_true",
                    help="every rank on one GPU (torch.distributed over gloo): several ranks on a one-GPU machine, for correctness, not speed")
     p.add_argument("--local_rank", type=int, default=None)
@@ -75,12 +75,12 @@ def main():
                             "train_batch_size": "auto", "gradient_clipping": "auto", "zero_optimization": zero,
                             "zero_allow_untested_optimizer": True, "steps_per_print": 10**9}
     config = SFTConfig(
-        output_dir=args.output_dir, per_device_train_batch_size=args.per_device_batch,
+        output_dir=output_folder(args.output_dir, "ds_odc_trl_sft_"), per_device_train_batch_size=args.per_device_batch,
         gradient_accumulation_steps=args.grad_accum, max_steps=args.max_steps, learning_rate=3e-4,
         logging_steps=1, save_strategy="no", report_to=[], use_cpu=not torch.cuda.is_available(),
         bf16=torch.cuda.is_available(),  # TRL's default is bf16, which on CPU means slow bf16 autocast
         optim="adamw_torch", seed=0, disable_tqdm=True, max_length=None, padding_free=True,
-        deepspeed=deepspeed_config,
+        activation_checkpointing=True, deepspeed=deepspeed_config,  # what SFTConfig defaults to
     )
     data = synthetic_pairs(args.num_samples)
     if args.odc or accelerate_config:  # OdcSFTTrainer defers to SFTTrainer when the config has no odc

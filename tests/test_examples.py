@@ -16,8 +16,8 @@ pytestmark = pytest.mark.slow
 
 def test_stock_and_odc_modes_give_the_same_loss_curve(tmp_path):
     """stock+local-sort, stock+lb-micro, odc+lb-micro, odc+lb-mini in one launch: fp32, losses agree to 1e-4
-    relative (measured 4e-8), every mode fits the automatic cost, and lb-mini really gives the ranks different
-    microbatch counts."""
+    relative (measured 4e-8), every mode fits the automatic cost, lb-mini gives the rank with the long sample fewer
+    samples, and what the job prints about lb-mini against lb-micro is what its own metrics say."""
     out = tmp_path / "runs.json"
     proc = subprocess.run([sys.executable, str(ROOT / "examples" / "compare.py"), "--json", str(out)],
                           env=cpu_env(), capture_output=True, text=True, timeout=600)
@@ -30,8 +30,22 @@ def test_stock_and_odc_modes_give_the_same_loss_curve(tmp_path):
     assert len(rows) == 4, proc.stdout
     assert all(v.startswith("in every layer (*)") for k, v in rows.items() if k.startswith("stock")), rows
     assert all(re.match(r"\d+\.\d%", v) for k, v in rows.items() if k.startswith("odc")), rows
-    uneven = [len({r["microbatches"] for r in step["per_rank"]}) > 1 for step in runs["runs"]["odc + lb-mini"]["steps"]]
-    assert any(uneven), "lb-mini should give the ranks different microbatch counts in some step"
+    # Every minibatch holds one long sample among short ones: once the cost is fitted, lb-mini gives the rank with
+    # the long sample fewer samples (3/1 instead of lb-micro's 2/2) -- a plan, not a timing, so it holds under load.
+    mini, micro = runs["runs"]["odc + lb-mini"]["steps"], runs["runs"]["odc + lb-micro"]["steps"]
+    timed = range(6, 20)
+    fewer = sum(max(s["per_rank"], key=lambda r: r["tokens"])["microbatches"] == 1 for s in (mini[i] for i in timed))
+    assert fewer >= 10, [[r["microbatches"] for r in s["per_rank"]] for s in mini]
+    assert all(len({r["microbatches"] for r in s["per_rank"]}) == 1 for s in micro)
+    # The printed comparison is the run's own: recomputed from the metrics it wrote.
+    shown = runs["lb_mini_against_lb_micro"]
+    waited_less = sum(mini[i]["bubble_rate"] < micro[i]["bubble_rate"] for i in timed)
+    assert shown["steps"] == 14 and shown["waited_less"] == waited_less and shown["heaviest_rank_fewer_samples"] >= fewer
+    # What the README states of the main job, as it held in 10 runs on 2 loaded cores (bubble 12-20% against 28-34%).
+    assert shown["bubble"]["lb-mini"] < shown["bubble"]["lb-micro"], shown
+    assert (f"lb-mini's ranks waited less in {waited_less} of 14 steps; bubble "
+            f"{runs['runs']['odc + lb-mini']['summary']['bubble_rate']:.1%} against "
+            f"{runs['runs']['odc + lb-micro']['summary']['bubble_rate']:.1%}") in proc.stdout, proc.stdout
     assert len(runs["runs"]) == 4
     for label, run in runs["runs"].items():
         assert len(run["steps"]) == 20

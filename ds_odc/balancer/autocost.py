@@ -55,16 +55,18 @@ class CostUpdate:
 
     ``predicted_step_s``: the slowest rank's busy time that the fit *before* this step predicted for it (``None``
     while the prior, in FLOPs, was all there was); ``measured_step_s``: the slowest rank's measured busy time.
-    ``a, b, c, d``: the coefficients now (seconds; ``fitted`` False: still the prior, in its own units).
+    ``a, b, c, d``: the fitted coefficients now, in seconds per token, per squared document length, per microbatch
+    and per step; ``None`` until a fit exists (``fitted`` False), while the plans still use ``prior``.
+    ``prior``: the prior's ``(a, b, c)`` in its own units (FLOPs for the model-shape prior), never seconds.
     ``c_measured``: whether the fitted steps ran different microbatch counts (otherwise ``c`` is held from an earlier
     fit, or 0, and only ``c * count + d`` is measured).
     """
 
     step: int
-    a: float
-    b: float
-    c: float
-    d: float
+    a: float | None
+    b: float | None
+    c: float | None
+    d: float | None
     fitted: bool
     predicted_step_s: float | None
     measured_step_s: float
@@ -72,6 +74,7 @@ class CostUpdate:
     steps_used: int
     outlier_steps: int
     c_measured: bool = False
+    prior: tuple[float, float, float] | None = None
 
     def as_dict(self) -> dict:
         return asdict(self)
@@ -163,11 +166,11 @@ class AutoCost:
         self._history[self.observed] = None if self._coef is None else self._coef[:3]
         for n in [n for n in self._history if n < self.observed - self.lag]:
             del self._history[n]
-        a, b, c, d = self._coef if self._coef is not None else (*self.prior.coefficients(), 0.0)
+        a, b, c, d = self._coef if self._coef is not None else (None, None, None, None)
         self.last_update = CostUpdate(step=step, a=a, b=b, c=c, d=d, fitted=self._coef is not None,
                                       predicted_step_s=predicted, measured_step_s=float(measured), rms_s=rms,
                                       steps_used=len(self._steps) - outliers, outlier_steps=outliers,
-                                      c_measured=varied)
+                                      c_measured=varied, prior=tuple(float(x) for x in self.prior.coefficients()))
         return self.last_update
 
     def _fit(self) -> tuple[tuple[float, float, float, float], list[Stats]]:

@@ -48,7 +48,7 @@ class BalanceMeter:
         }
         if W <= self.per_rank_limit:
             out.update({f"odc/microbatches_rank{k}": mbs[k] for k in range(W)})
-        costs = [r.cost for r in steps if r.cost]
+        costs = [r.cost for r in steps if r.cost and r.cost["fitted"]]  # none logged while the prior plans
         if costs:
             last = costs[-1]
             out.update({"odc/cost_a": last["a"], "odc/cost_b": last["b"], "odc/cost_c": last["c"]})

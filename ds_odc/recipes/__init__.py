@@ -1,5 +1,5 @@
-"""Ready-made workloads for the examples and benchmarks: model shapes with random weights, sample lengths from a
-file or a preset, token ids that are the same in every run (``workloads``), and the SFT command line the examples
-share (``sft``)."""
+"""Ready-made workloads for the examples and benchmarks: the SFT training loop (``train``) and its command line
+(``sft``), model shapes with random weights, sample lengths from a file or a preset and token ids that are the same
+in every run (``workloads``), and a character tokenizer built in code (``toy_text``)."""
 
 __all__: list[str] = []  # nothing: each module is imported on its own

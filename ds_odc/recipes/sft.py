@@ -1,4 +1,5 @@
-"""The command line of an SFT run, shared by ``examples/sft.py`` and the torch baselines in ``benchmarks/``.
+"""The command line of an SFT run, shared by the SFT loop (:mod:`ds_odc.recipes.train`, ``examples/sft.py``) and the
+torch baselines in ``benchmarks/``.
 
 One parser, so every engine takes the same flags and ``benchmarks/e2e.py`` can hand them the same command; plus the
 two things a run derives from its flags: the samples (lengths, and token ids for real text) and the balancer's cost.
@@ -8,6 +9,7 @@ from __future__ import annotations
 
 import argparse
 import os
+import tempfile
 from typing import Any, Mapping
 
 import numpy as np
@@ -84,7 +86,8 @@ def sft_argument_parser(description: str | None = None, deepspeed_config: bool =
     p.add_argument("--metrics-json")
     p.add_argument("--profile-step", type=int, default=None,
                    help="profile this step (torch profiler): host vs device time, top ops, Chrome trace")
-    p.add_argument("--profile-dir", default="profile", help="where --profile-step writes its files")
+    p.add_argument("--profile-dir", default=os.path.join(tempfile.gettempdir(), "ds_odc_profile"),
+                   help="where --profile-step writes its files (default: ds_odc_profile in the temporary folder)")
     p.add_argument("--profile-python", action="store_true",
                    help="--profile-step records Python calls too, to say which ones ran while the GPU idled")
     p.add_argument("--timeline", help="draw per-rank busy/wait bars of the last steps to this PNG")

@@ -26,11 +26,14 @@ import sys
 import warnings
 from datetime import timedelta
 
-__all__ = ["SHARED_GPU_ENV", "init_distributed", "runs_on_cpu", "shared_gpu_mode", "shutdown", "shutdown_and_exit",
-           "training_device"]
+__all__ = ["SHARED_GPU_ENV", "init_distributed", "output_folder", "runs_on_cpu", "shared_gpu_mode", "shutdown",
+           "shutdown_and_exit", "training_device"]
 
 DEFAULT_CPU_TIMEOUT_S = 300.0
 TORCH_DEPRECATIONS_CALLED_BY_DEEPSPEED = ("all_gather_into_tensor", "reduce_scatter_tensor")
+# transformers 5 deprecated ``PreTrainedModel.is_gradient_checkpointing``; TRL reads it around generation and
+# log-probabilities, so the warning names a call that no script makes.
+TRANSFORMERS_DEPRECATIONS_CALLED_BY_TRL = (r"`is_gradient_checkpointing` is deprecated",)
 SHARED_GPU_ENV = "DS_ODC_SHARED_GPU"
 """``1``: every rank of the job shares one GPU (see the module docstring). Set by ``init_distributed(shared_gpu=True)``
 for the rest of the process; a launcher can set it for every rank instead."""
@@ -87,12 +90,14 @@ def init_distributed(timeout_s: float | None = None, *, shared_gpu: bool | None 
     that only ``inference_all_reduce`` needs (never ZeRO training). On CUDA each rank selects the GPU named by
     ``LOCAL_RANK`` first. Under ``mpirun`` a ``MASTER_PORT`` in the environment is honoured (DeepSpeed alone uses
     29500 for every job). Recent torch warns on every rank that ``all_gather_into_tensor`` and
-    ``reduce_scatter_tensor`` are deprecated; DeepSpeed makes those calls, not your script, so exactly these two
-    warnings are hidden.
+    ``reduce_scatter_tensor`` are deprecated, and transformers 5 that ``is_gradient_checkpointing`` is; DeepSpeed and
+    TRL make those calls, not your script, so exactly these warnings are hidden.
     """
     for name in TORCH_DEPRECATIONS_CALLED_BY_DEEPSPEED:
         warnings.filterwarnings("ignore", message=rf"`torch\.distributed\.{name}` is deprecated",
                                 category=FutureWarning)
+    for message in TRANSFORMERS_DEPRECATIONS_CALLED_BY_TRL:
+        warnings.filterwarnings("ignore", message=message, category=FutureWarning)
     import deepspeed
     import torch
 
@@ -121,6 +126,27 @@ def init_distributed(timeout_s: float | None = None, *, shared_gpu: bool | None 
     else:
         torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", 0)))
         deepspeed.init_distributed(**kwargs)
+
+
+def output_folder(path: str | None, prefix: str = "ds_odc_") -> str:
+    """Where a script writes its outputs: ``path`` when the user named one, else a new temporary folder that every
+    rank of the job names the same (rank 0 makes it and sends its path to the others) and that rank 0 removes when
+    its process exits, so that nothing is left in the folder the script was started from. Call it on every rank,
+    after :func:`init_distributed`."""
+    if path is not None:
+        return path
+    import atexit
+    import shutil
+    import tempfile
+
+    import torch.distributed as dist
+    rank0 = not dist.is_initialized() or dist.get_rank() == 0
+    made = [tempfile.mkdtemp(prefix=prefix) if rank0 else None]
+    if dist.is_initialized():
+        dist.broadcast_object_list(made, src=0)
+    if rank0:
+        atexit.register(shutil.rmtree, made[0], ignore_errors=True)
+    return made[0]
 
 
 def shutdown() -> None:

@@ -40,6 +40,18 @@ def test_recovers_known_coefficients_within_10_percent(seed):
         assert getattr(update, name) == pytest.approx(true, rel=0.10), (name, update)
 
 
+def test_no_coefficients_before_a_fit_exists():
+    """Until the fit replaces the prior an update carries no a, b, c, d (they would be the prior's FLOPs, not
+    seconds); the prior is there, labelled. The first fitted update's coefficients are seconds of the right size."""
+    fit = AutoCost(PRIOR)
+    rng = np.random.default_rng(5)
+    updates = [observe_steps(fit, 1, 2, rng) for _ in range(8)]
+    early, late = updates[0], updates[-1]
+    assert not early.fitted and (early.a, early.b, early.c, early.d) == (None, None, None, None)
+    assert early.prior == PRIOR.coefficients() and early.as_dict()["a"] is None
+    assert late.fitted and late.a == pytest.approx(TRUTH["a"], rel=0.5), late  # seconds per token, not FLOPs
+
+
 def test_plans_with_the_fit_are_within_2_percent_of_the_truths():
     """Planned with the fitted cost, the true step time (ODC: the slowest rank's true busy time) of lb-mini over 20
     long-tail minibatches is within 2% of what plans made with the true cost achieve."""

@@ -2,13 +2,9 @@
 
 from __future__ import annotations
 
-import os
-import sys
-
 import torch
 
-sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", "..", "examples"))
-from toy_text import char_tokenizer  # noqa: E402,F401  (the examples' tokenizer: the tests train what they run)
+from ds_odc.recipes.toy_text import char_tokenizer  # noqa: F401  (the examples' tokenizer: the tests train what they run)
 
 VOCAB = 256
 PAD = 0

@@ -77,8 +77,8 @@ def test_balance_meter_uses_the_step_records_definition():
     meter.data = {"odc/truncated_samples": 2.0}
     meter.add(first)
     meter.add(second)
-    first.cost = {"a": 1.0, "b": 2.0, "c": 3.0, "predicted_step_s": None, "measured_step_s": 1.0}
-    second.cost = {"a": 1.5, "b": 2.5, "c": 3.5, "predicted_step_s": 2.8, "measured_step_s": 3.0}
+    first.cost = {"a": 1.0, "b": 2.0, "c": 3.0, "predicted_step_s": None, "measured_step_s": 1.0, "fitted": True}
+    second.cost = {"a": 1.5, "b": 2.5, "c": 3.5, "predicted_step_s": 2.8, "measured_step_s": 3.0, "fitted": True}
     out = meter.summary()
     assert out["odc/bubble"] == pytest.approx(bubble_rate([first, second])) == pytest.approx(1 - 7.5 / 8)
     assert out["odc/samples_per_second"] == pytest.approx(16 / 4)
@@ -87,3 +87,15 @@ def test_balance_meter_uses_the_step_records_definition():
     assert out["odc/truncated_samples"] == 2.0
     meter.reset()
     assert meter.summary() == {}
+
+
+def test_balance_meter_logs_no_cost_before_a_fit_exists():
+    """While the automatic cost still plans with its prior (FLOPs, not seconds) no odc/cost_* is logged."""
+    from ds_odc.balancer.autocost import AutoCost
+    from ds_odc.balancer.cost import QuadraticCost
+    fit = AutoCost(QuadraticCost(a=1.0, b=1e-4, c=2048.0))
+    meter = BalanceMeter(2)
+    record = record_from_rows([[0.0, 1.0, 1.0, 3, 100, 4000], [0.0, 0.5, 0.9, 1, 40, 1600]], num_samples=8)
+    record.cost = fit.observe([100, 40], [4000, 1600], [3, 1], [1.0, 0.5]).as_dict()
+    meter.add(record)
+    assert not record.cost["fitted"] and not any(k.startswith("odc/cost") for k in meter.summary())

@@ -1,6 +1,9 @@
-"""Text helpers the TRL examples share: a character-level tokenizer made in code, so nothing is downloaded."""
+"""A character-level tokenizer made in code, so nothing is downloaded: what the TRL examples, the GRPO benchmark and
+the tests train with."""
 
 from __future__ import annotations
+
+__all__ = ["char_tokenizer"]
 
 
 def char_tokenizer():

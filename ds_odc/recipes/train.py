@@ -1,0 +1,236 @@
+"""The SFT training loop: DeepSpeed ZeRO-3, with or without ODC, balanced by the sampler's planner.
+
+One loop to read top to bottom: :func:`train` builds the engine and the sampler, then every optimizer step trains
+the microbatches the planner gave this rank (any number, 0 included), meets the other ranks at the step, and feeds
+the step's measured busy times back to the automatic cost. ``examples/sft.py`` is its command line (the flags are
+:func:`ds_odc.recipes.sft.sft_argument_parser`'s); ``examples/compare.py`` and the benchmarks call :func:`train`.
+
+The logged loss is the global mean token loss of each minibatch, the same quantity in every mode, so stock and ODC
+runs can be compared step by step. ``--metrics-json`` writes per-step throughput, bubble rate and per-rank
+busy/wait (:mod:`ds_odc.training.metrics`).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+from pathlib import Path
+
+import torch
+
+import ds_odc  # noqa: F401  (before the model is built: installs the odc config key)
+from ds_odc.balancer.planners import get_planner
+from ds_odc.balancer.sampler import BalancedBatchSampler
+from ds_odc.config import odc_config_from_ds_config
+from ds_odc.recipes.sft import (attention_from_args, cost_from_args, on_device, plan_attention, prepare_model,
+                                samples_from_args, sft_argument_parser, split_policy_from_args)
+from ds_odc.recipes.workloads import model_config, sample_tokens
+from ds_odc.training.collate import PackedCollator
+from ds_odc.training.distributed import init_distributed, shutdown_and_exit
+from ds_odc.training.loss import global_mean_weight
+from ds_odc.training.metrics import StepClock, StepRecord, gather_step, summarize
+from ds_odc.training.profiling import decoder_layers, describe, profile_step
+from ds_odc.training.sequence_parallel import SequenceParallel
+
+__all__ = ["main", "train", "build_model", "engine_config", "draw_timeline"]
+
+
+def main(argv: list[str] | None = None, description: str | None = None) -> None:
+    """The command line: parse the flags, start the process group, train, exit."""
+    args = sft_argument_parser(description or __doc__).parse_args(argv)
+    init_distributed(shared_gpu=args.shared_gpu or None)
+    train(args)
+    shutdown_and_exit()
+
+
+def train(args) -> dict | None:
+    """One run in an initialised process group (several may follow each other, as in ``examples/compare.py``).
+    Returns, on rank 0, the metrics that ``--metrics-json`` writes (None on the other ranks)."""
+    import deepspeed
+    import torch.distributed as dist
+
+    rank, world = dist.get_rank(), dist.get_world_size()
+    device = torch.device("cuda", torch.cuda.current_device()) if torch.cuda.is_available() else torch.device("cpu")
+
+    # 1. Engine: the model under ZeRO-3 (ODC when the ds_config says "odc": true).
+    ds_config, odc_on = engine_config(args)
+    lengths, token_ids = samples_from_args(args)
+    model = build_model(args, ds_config, device)
+    params = [p for p in model.parameters() if p.requires_grad]
+    engine, *_ = deepspeed.initialize(model=model, model_parameters=params, config=ds_config)
+    if device.type == "cuda":
+        plan_attention(model, args, lengths, device, next(model.parameters()).dtype)
+        torch.cuda.empty_cache()
+        torch.cuda.reset_peak_memory_stats()  # peak memory of training, not of building the unpartitioned model
+
+    # 2. Sampler: every optimizer step's minibatch, planned over the ranks (each rank gets its own microbatches).
+    split = split_policy_from_args(args, model.config)  # how samples split over groups of ranks (lb-mini-sp)
+    sp = None if split is None else SequenceParallel(split, timeout_s=odc_config_from_ds_config(ds_config).timeout_s)
+    sampler = BalancedBatchSampler(lengths.tolist(), world_size=world, rank=rank, minibatch_size=args.minibatch_size,
+                                   max_tokens=args.max_tokens, planner=args.balancer, seed=args.seed,
+                                   shuffle=not args.no_shuffle, cost=cost_from_args(args, model.config),
+                                   oversize=args.oversize, model_config=model.config, split=split)
+    if rank == 0 and sampler.data_report.message():
+        print(sampler.data_report.message(), flush=True)
+    collate = PackedCollator()
+    vocab = model.config.vocab_size
+
+    def sample(j: int, truncated: bool) -> dict:
+        ids = torch.as_tensor(token_ids[j]) if token_ids else sample_tokens(j, int(lengths[j]), vocab, args.seed)
+        return {"input_ids": ids[:sampler.token_limit] if truncated else ids}
+
+    # 3. The loop: one optimizer step per minibatch.
+    steps = min(args.steps, len(sampler))
+    progress = _progress_bar(steps, f"{'odc' if odc_on else 'stock'}+{args.balancer}", args) if rank == 0 else None
+    clock = StepClock()
+    records: list[StepRecord] = []
+    profile = None
+    split_samples = 0  # split samples this rank trained a slice of
+    for step, batch in zip(range(steps), sampler):
+        split_samples += len(batch.splits)
+        # Each microbatch's loss sum times W / N is its share of the global mean over the minibatch's N label
+        # tokens, however the samples are spread over ranks and microbatches (ds_odc.training.loss).
+        weight = global_mean_weight(batch.num_label_tokens, world)
+        profiling = (profile_step(args.profile_dir, rank, decoder_layers(model), python_stacks=args.profile_python)
+                     if step == args.profile_step else contextlib.nullcontext())
+        clock.start()
+        loss_share = 0.0
+        k = len(batch.microbatches)  # differs between ranks under lb-mini
+        with profiling as profiled:
+            for i, mb in enumerate(batch.microbatches):
+                samples = [sample(j, j in batch.truncated) for j in mb]
+                engine.set_gradient_accumulation_boundary(i == k - 1)
+                if mb[0] in batch.splits:  # a sample split over a group of ranks: this rank trains its slice
+                    piece = sp.slice(samples[0], batch.splits[mb[0]], device=device)
+                    with sp.run(piece):  # forward and backward over the group
+                        # labels switch the model's loss on; shift_labels, shifted over the whole sample, replace them
+                        loss = engine(input_ids=piece.input_ids, position_ids=piece.position_ids,
+                                      labels=piece.shift_labels, shift_labels=piece.shift_labels,
+                                      num_items_in_batch=1 / weight).loss
+                        engine.backward(loss, scale_wrt_gas=False)
+                else:
+                    row = on_device(collate(samples), device)
+                    loss = engine(**row, num_items_in_batch=1 / weight).loss  # the sum divided by N / W
+                    engine.backward(loss, scale_wrt_gas=False)
+                engine.step()  # the optimizer steps after the last microbatch only (the boundary)
+                loss_share += loss.item() / world
+            if k == 0:  # a rank with no microbatch still joins the step
+                engine.set_gradient_accumulation_boundary(True)
+                engine.step()
+        if profiled is not None:
+            profile = profiled
+
+        # 4. Measure: every rank's busy time and load, gathered once; the automatic cost refits from it.
+        busy, step_time = clock.finish(getattr(engine.optimizer, "odc_wait_s", 0.0))
+        tokens, sq_tokens = sampler.load(batch.microbatches, batch.splits)  # as the plan counts them
+        record = gather_step(loss_share, busy, step_time, k, tokens, batch.num_samples, sq_tokens=sq_tokens)
+        if step != args.profile_step:  # the profiler's own overhead is no cost of the plan
+            update = sampler.observe(record)  # the same gathered record on every rank: the same refit
+            record.cost = update.as_dict() if update else None
+        records.append(record)
+        if progress is not None:
+            progress.set_postfix(loss=f"{record.loss:.4f}", samples_s=f"{record.samples_per_s:.2f}",
+                                 bubble=f"{record.bubble_rate:.1%}")
+            progress.update()
+    if progress is not None:
+        progress.close()
+
+    # 5. Report (rank 0).
+    out = None
+    if rank == 0:
+        config = {k: v for k, v in vars(args).items() if k != "local_rank"}
+        config.update(world_size=world, odc=odc_on, device=str(device), deepspeed_version=deepspeed.__version__)
+        out = {"config": config, "data": sampler.data_report.as_dict(), "steps": [r.as_dict() for r in records],
+               "summary": summarize(records, args.warmup_steps, world, untimed=[args.profile_step]),
+               "split_samples_rank0": split_samples}
+        if profile:
+            out["profile_rank0"] = profile
+            print(f"profile of step {args.profile_step} (rank 0): {describe(profile)}; files in "
+                  f"{args.profile_dir}/", flush=True)
+        if args.metrics_json:
+            Path(args.metrics_json).write_text(json.dumps(out, indent=1))
+        if not args.quiet:
+            _print_summary(out["summary"], records)
+        if args.timeline:
+            draw_timeline(records[-min(len(records), 4):], args.timeline)
+    engine.destroy()
+    return out
+
+
+def engine_config(args) -> tuple[dict, bool]:
+    """The ds_config of ``--deepspeed`` for a loop that marks step boundaries itself (one microbatch per forward,
+    any count per rank), and whether it turns ODC on. A planner that gives ranks different microbatch counts
+    without ODC is refused."""
+    ds_config = json.loads(Path(args.deepspeed).read_text())
+    odc_on = odc_config_from_ds_config(ds_config).enabled
+    if get_planner(args.balancer).runtime == "odc" and not odc_on:
+        raise SystemExit(f"--balancer {args.balancer} gives ranks different numbers of microbatches, which only ODC "
+                         'can run: add "odc": true to zero_optimization in the ds_config, or use --balancer lb-micro')
+    ds_config["train_micro_batch_size_per_gpu"] = 1
+    ds_config["gradient_accumulation_steps"] = 1  # boundaries are set explicitly: any count per rank
+    ds_config.pop("train_batch_size", None)
+    return ds_config, odc_on
+
+
+def build_model(args, ds_config: dict, device: torch.device) -> torch.nn.Module:
+    """The model of ``--model`` (random weights) or ``--model-path``, with the options of the flags."""
+    from transformers import AutoConfig, AutoModelForCausalLM
+    attn = attention_from_args(args)
+    dtype = torch.bfloat16 if ds_config.get("bf16", {}).get("enabled") else torch.float32
+    config = AutoConfig.from_pretrained(args.model_path) if args.model_path else model_config(args.model)
+    config.use_cache = False  # packed rows: transformers only detects sample boundaries without a cache
+    torch.manual_seed(args.seed)
+
+    def load():
+        if args.model_path:
+            return AutoModelForCausalLM.from_pretrained(args.model_path, dtype=dtype, attn_implementation=attn)
+        return AutoModelForCausalLM.from_config(config, dtype=dtype, attn_implementation=attn)
+
+    if args.zero_init:  # partitioned from the start, for models that do not fit one device
+        import deepspeed
+        from transformers.integrations import HfDeepSpeedConfig
+        build_model.keep_alive = HfDeepSpeedConfig(ds_config)  # HF reads it during from_config
+        with deepspeed.zero.Init(config_dict_or_path=ds_config, dtype=dtype):
+            model = load()
+    else:  # built whole on the device (fast random init), partitioned by deepspeed.initialize
+        with torch.device(device):
+            model = load()
+    return prepare_model(model, args)
+
+
+def _progress_bar(steps: int, desc: str, args):
+    from tqdm import tqdm
+    return tqdm(total=steps, desc=desc, dynamic_ncols=True, disable=args.quiet)
+
+
+def _print_summary(summary: dict, records: list[StepRecord]) -> None:
+    print(f"summary: loss {summary['final_loss']:.5f}  samples/s {summary['samples_per_s']:.3f}  "
+          f"bubble {summary['bubble_rate']:.1%}  time {summary['time_s']:.2f}s", flush=True)
+    fitted = next((r.cost for r in reversed(records) if r.cost and r.cost["fitted"]), None)
+    if fitted:
+        per_mb = "" if fitted["c_measured"] else " (not measured: every rank ran the same count)"
+        predicted = ("" if fitted["predicted_step_s"] is None else  # the fit first existed after the last step
+                     f"; last step predicted {fitted['predicted_step_s']:.3f} s busy, measured "
+                     f"{fitted['measured_step_s']:.3f} s")
+        print(f"automatic cost: {fitted['a']:.3g} s/token + {fitted['b']:.3g} s/token^2 + {fitted['c']:.3g} s "
+              f"per microbatch{per_mb} + {fitted['d']:.3g} s per step{predicted}", flush=True)
+
+
+def draw_timeline(records: list[StepRecord], path: str) -> None:
+    """Per-rank busy (solid) and waiting (hatched) time, step after step, as a PNG at ``path``."""
+    import matplotlib
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+    world = len(records[0].per_rank)
+    fig, ax = plt.subplots(figsize=(9, 0.6 * world + 1.5))
+    start = 0.0
+    for record in records:
+        for r, p in enumerate(record.per_rank):
+            ax.barh(r, p.busy_s, left=start, color="tab:blue")
+            ax.barh(r, p.wait_s, left=start + p.busy_s, color="tab:orange", hatch="//", alpha=0.6)
+        start += record.step_time_s
+        ax.axvline(start, color="k", lw=0.8)
+    ax.set_yticks(range(world), [f"rank {r}" for r in range(world)])
+    ax.set_xlabel("seconds (blue: busy, orange: waiting; lines: optimizer steps)")
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
