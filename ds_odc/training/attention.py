@@ -137,13 +137,19 @@ def _boundaries(query: torch.Tensor, kwargs: dict) -> DocumentBoundaries:
     return boundaries_from_position_ids(position_ids)
 
 
-@functools.cache  # checked at every layer call: import and signature once per process
-def _varlen_kernel():
+def _find_varlen_kernel():
     try:
         from torch.nn.attention.varlen import varlen_attn
     except ImportError:
         return None, False
     return varlen_attn, "enable_gqa" in inspect.signature(varlen_attn).parameters
+
+
+_VARLEN_KERNEL = _find_varlen_kernel()  # once per process: read at every layer call, and traced under compilation
+
+
+def _varlen_kernel():
+    return _VARLEN_KERNEL
 
 
 def _varlen_runs(query: torch.Tensor) -> bool:
@@ -281,7 +287,38 @@ def varlen_attention_forward(module: torch.nn.Module, query: torch.Tensor, key: 
                              attention_mask: torch.Tensor | None, dropout: float = 0.0, scaling: float | None = None,
                              sliding_window: int | None = None, softcap: float | None = None, **kwargs):
     """The transformers attention function ``ds_odc_varlen``: ``query`` ``[B, H, T, D]``, ``key``/``value``
-    ``[B, KV, T, D]``; returns ``([B, T, H, D], None)``."""
+    ``[B, KV, T, D]``; returns ``([B, T, H, D], None)``.
+
+    Under ``torch.compile`` (``ds_odc.training.compile``) the kernels that read document lengths on the host run
+    outside the graph (a graph break: compiled code cannot read a device tensor's values on the host without a
+    recompile per row); the ``varlen`` kernel chosen explicitly (``use_kernel(model, "varlen")``), with the
+    boundaries given as ``cu_seq_lens_q`` and ``max_length_q``, stays in the graph."""
+    if torch.compiler.is_compiling():
+        if _varlen_in_graph(module, query, attention_mask, dropout, sliding_window, softcap, kwargs):
+            bounds = DocumentBoundaries(kwargs["cu_seq_lens_q"].reshape(-1).to(torch.int32), kwargs["max_length_q"])
+            batch, heads, tokens, dim = query.shape
+            if batch > 1:
+                query, key, value = (x.transpose(0, 1).reshape(1, x.shape[1], batch * tokens, dim)
+                                     for x in (query, key, value))
+            out = _varlen(query, key, value, bounds, scaling, getattr(module, "is_causal", True))
+            return out.reshape(batch, tokens, heads, dim), None
+        return _attention_outside_graph(module, query, key, value, attention_mask, dropout, scaling, sliding_window,
+                                        softcap, **kwargs)
+    return _attention(module, query, key, value, attention_mask, dropout, scaling, sliding_window, softcap, **kwargs)
+
+
+def _varlen_in_graph(module, query, attention_mask, dropout, sliding_window, softcap, kwargs) -> bool:
+    """Whether a compiled graph can hold this attention call: the ``varlen`` kernel, chosen explicitly, on a device
+    where it runs, with the boundaries as tensors and nothing that the eager path would refuse."""
+    return (kernel_choice(module).kernel == "varlen" and _varlen_runs(query) and attention_mask is None
+            and not dropout and sliding_window is None and softcap is None and kwargs.get("s_aux") is None
+            and kwargs.get("cu_seq_lens_q") is not None and kwargs.get("max_length_q") is not None)
+    # cu_seq_lens_k is taken to equal cu_seq_lens_q (self-attention; the collators return one tensor for both):
+    # comparing them would read device values on the host, which the eager path does once per forward.
+
+
+def _attention(module, query, key, value, attention_mask, dropout=0.0, scaling=None, sliding_window=None,
+               softcap=None, **kwargs):
     if attention_mask is not None:
         raise ValueError("ds_odc_varlen takes padding-free rows (documents concatenated, position ids restarting, no "
                          "padding): this batch has padding in its attention_mask. Collate with "
@@ -308,6 +345,11 @@ def varlen_attention_forward(module: torch.nn.Module, query: torch.Tensor, key: 
     else:
         out = _per_document_sdpa(query, key, value, list(bounds.host_lengths()), scaling, causal).transpose(1, 2)
     return out.reshape(batch, tokens, heads, dim), None
+
+
+# Under compilation: the whole eager attention as one opaque call (its host reads and per-document loops would
+# otherwise be traced, and recompiled for every new set of document lengths).
+_attention_outside_graph = torch.compiler.disable(_attention)
 
 
 def bucket_lengths(longest: int, shortest: int = LONG_DOCUMENT) -> list[int]:
