@@ -256,8 +256,7 @@ def _bucketed(query, key, value, lengths, scaling, use_varlen: bool, long_docume
             out = F.scaled_dot_product_attention(q, k, v, is_causal=True, scale=scaling, enable_gqa=gqa)
             parts.append(out[:, :, :seg.end - seg.start].transpose(1, 2))
         elif seg.cu_seqlens is not None:
-            bounds = DocumentBoundaries(seg.cu_seqlens, max(seg.lengths), seg.lengths)
-            parts.append(_varlen(q, k, v, bounds, scaling, True)[None])
+            parts.append(_varlen(q, k, v, seg.cu_seqlens, max(seg.lengths), scaling, True)[None])
         else:
             parts.append(_per_document_sdpa(q, k, v, list(seg.lengths), scaling, True).transpose(1, 2))
     return parts[0] if len(parts) == 1 else torch.cat(parts, dim=1)
@@ -273,13 +272,13 @@ def _per_document_sdpa(query, key, value, lengths, scaling, causal):
     return torch.cat(parts, dim=2)
 
 
-def _varlen(query, key, value, bounds: DocumentBoundaries, scaling, causal):
+def _varlen(query, key, value, cu_seqlens: torch.Tensor, max_length: int, scaling, causal):
     """torch's varlen flash attention on ``[T, H, D]`` views of the ``[1, H, T, D]`` inputs."""
     varlen_attn, takes_gqa = _varlen_kernel()
     q, k, v = (x[0].transpose(0, 1) for x in (query, key, value))
     extra = {"enable_gqa": True} if takes_gqa and q.shape[1] != k.shape[1] else {}
     # Older signatures have no enable_gqa: the flash kernel itself takes fewer k/v heads than q heads.
-    return varlen_attn(q, k, v, bounds.cu_seqlens, bounds.cu_seqlens, bounds.max_length, bounds.max_length,
+    return varlen_attn(q, k, v, cu_seqlens, cu_seqlens, max_length, max_length,
                        scale=scaling, window_size=(-1, 0) if causal else (-1, -1), **extra)
 
 
@@ -295,12 +294,13 @@ def varlen_attention_forward(module: torch.nn.Module, query: torch.Tensor, key: 
     boundaries given as ``cu_seq_lens_q`` and ``max_length_q``, stays in the graph."""
     if torch.compiler.is_compiling():
         if _varlen_in_graph(module, query, attention_mask, dropout, sliding_window, softcap, kwargs):
-            bounds = DocumentBoundaries(kwargs["cu_seq_lens_q"].reshape(-1).to(torch.int32), kwargs["max_length_q"])
+            cu_seqlens = kwargs["cu_seq_lens_q"].reshape(-1).to(torch.int32)
             batch, heads, tokens, dim = query.shape
             if batch > 1:
                 query, key, value = (x.transpose(0, 1).reshape(1, x.shape[1], batch * tokens, dim)
                                      for x in (query, key, value))
-            out = _varlen(query, key, value, bounds, scaling, getattr(module, "is_causal", True))
+            out = _varlen(query, key, value, cu_seqlens, kwargs["max_length_q"], scaling,
+                          getattr(module, "is_causal", True))
             return out.reshape(batch, tokens, heads, dim), None
         return _attention_outside_graph(module, query, key, value, attention_mask, dropout, scaling, sliding_window,
                                         softcap, **kwargs)
@@ -339,7 +339,7 @@ def _attention(module, query, key, value, attention_mask, dropout=0.0, scaling=N
     if batch > 1:  # flatten the rows into one sequence of documents
         query, key, value = (x.transpose(0, 1).reshape(1, x.shape[1], batch * tokens, dim) for x in (query, key, value))
     if kernel == "varlen":
-        out = _varlen(query, key, value, bounds, scaling, causal)[None]  # [1, B*T, H, D]
+        out = _varlen(query, key, value, bounds.cu_seqlens, bounds.max_length, scaling, causal)[None]  # [1, B*T, H, D]
     elif kernel == "bucketed":
         out = _bucketed(query, key, value, bounds.host_lengths(), scaling, varlen_runs, choice.long_document)
     else:

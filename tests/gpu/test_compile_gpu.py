@@ -11,8 +11,7 @@ import pytest
 from _launch import launch_gpu, rank_params  # tests/gpu is on sys.path (rootdir conftest)
 
 WORKER = Path(__file__).resolve().parents[1] / "training" / "compile_worker.py"
-VARIANTS = ["odc:eager", "odc:compiled", "odc:compiled/varlen", "odc:fused", "odc:compiled+fused",
-            "stock:compiled+fused"]
+VARIANTS = ["odc:eager", "odc:fused", "odc:compiled/varlen", "odc:compiled+fused", "stock:compiled+fused"]
 
 pytestmark = [pytest.mark.gpu, pytest.mark.slow]
 
