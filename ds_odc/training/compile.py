@@ -22,6 +22,12 @@ the boundaries given as tensors (``cu_seq_lens_q`` and ``max_length_q``), which 
 
 Where compiling is impossible (a model without block classes, a backend that fails, such as inductor on a CPU
 without a C++ compiler) a warning says so once and the blocks run eagerly: the same numbers, without the speed.
+A block called with a KV cache (generation) runs eagerly too: compiled blocks are for training and scoring
+forwards, whose shapes vary only in length.
+
+:func:`compile_blocks_on_engine_compile` gives a DeepSpeed engine a ``compile()`` that compiles the blocks: what
+Accelerate calls for ``TrainingArguments(torch_compile=True)`` then compiles blocks instead of the whole module (where
+every ZeRO-3 hook would break the graph).
 
 :func:`compile_counts` reads dynamo's process-wide counters (graphs, compiled frames, graph breaks), so a run can
 report how many graphs it compiled and whether anything compiled again after warm-up.
@@ -38,7 +44,7 @@ import torch
 from ds_odc.zero.blocks import block_classes
 
 __all__ = ["CompileOptions", "CompiledBlocks", "CompileCounts", "compile_blocks", "compile_counts",
-           "compiled_blocks_of"]
+           "compiled_blocks_of", "compile_blocks_on_engine_compile", "eager_forward"]
 
 _ATTR = "ds_odc_compiled_blocks"  # the CompiledBlocks of a model, set on the model
 
@@ -135,7 +141,7 @@ class _BlockForward:
                                       fullgraph=opts.fullgraph)
 
     def __call__(self, block, *args, **kwargs):
-        if self.state.eager_reason is not None:
+        if self.state.eager_reason is not None or any(kwargs.get(k) is not None for k in _CACHE_ARGUMENTS):
             return self.original(block, *args, **kwargs)
         try:
             return self.compiled(block, *args, **kwargs)
@@ -149,6 +155,7 @@ class _BlockForward:
             return self.original(block, *args, **kwargs)
 
 
+_CACHE_ARGUMENTS = ("past_key_values", "past_key_value", "cache", "layer_past")  # transformers' names, by version
 _SUBCLASSES: dict[tuple[type, int], type] = {}
 
 
@@ -205,6 +212,21 @@ def compile_blocks(model: torch.nn.Module, options: CompileOptions | None = None
         block.__class__ = _SUBCLASSES[key]
         state.blocks.append(block)
     return state
+
+
+def compile_blocks_on_engine_compile(engine) -> None:
+    """Make ``engine.compile(backend, compile_kwargs)`` (a DeepSpeed engine's; Accelerate calls it when the
+    ``TrainingArguments`` ask for ``torch_compile``) compile the blocks of ``engine.module`` with that backend and
+    mode instead of the whole module. ``dynamic`` stays ``True`` unless the caller sets it."""
+    def compile(backend="inductor", compile_kwargs=None, schedule=None, compiled_autograd_enabled=False):
+        kwargs = dict(compile_kwargs or {})
+        dynamic = kwargs.get("dynamic")
+        options = CompileOptions(backend=backend or "inductor", mode=kwargs.get("mode"),
+                                 dynamic=True if dynamic is None else dynamic,
+                                 fullgraph=bool(kwargs.get("fullgraph", False)))
+        return compile_blocks(engine.module, options)
+
+    engine.compile = compile
 
 
 def eager_forward(block: torch.nn.Module, *args: Any, **kwargs: Any):

@@ -130,17 +130,16 @@ def kernels_from_training_args(args: Any) -> Kernels:
     return Kernels(compile=options, liger=bool(getattr(args, "use_liger_kernel", False)))
 
 
-def training_args_for_kernels(args: Any, kernels: Kernels) -> Any:
-    """A copy of ``args`` for the Trainer once :func:`apply_kernels` owns compilation: ``torch_compile`` off (the
-    Trainer would otherwise compile the whole model, every ZeRO-3 hook a graph break), and with compiled blocks
-    Liger's layer kernels off in ``liger_kernel_config`` (the compiled blocks fuse those; a key the user set stays
-    as set). The caller's ``args`` are left as given."""
+def training_args_for_kernels(args: Any) -> Any:
+    """The ``TrainingArguments`` a Trainer should run with for the kernels they ask for: with both
+    ``torch_compile`` and ``use_liger_kernel``, a copy whose ``liger_kernel_config`` turns Liger's layer kernels
+    off (the compiled blocks fuse those, and dynamo cannot trace Liger's patched layers; a key the user set stays as
+    set); otherwise ``args`` itself. Compilation itself goes through the engine
+    (:func:`ds_odc.training.compile.compile_blocks_on_engine_compile`)."""
+    kernels = kernels_from_training_args(args)
+    if kernels.compile is None or not kernels.liger:
+        return args
     out = copy.copy(args)
-    if kernels.compile is not None:
-        out.torch_compile = False
-        out.torch_compile_backend = None
-        out.torch_compile_mode = None
-        if kernels.liger:
-            given = dict(getattr(args, "liger_kernel_config", None) or {})
-            out.liger_kernel_config = {**{k: False for k in LIGER_LAYER_KERNELS}, **given}
+    given = dict(getattr(args, "liger_kernel_config", None) or {})
+    out.liger_kernel_config = {**{k: False for k in LIGER_LAYER_KERNELS}, **given}
     return out

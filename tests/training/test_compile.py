@@ -21,7 +21,8 @@ import torch
 from _support.launch import launch
 from ds_odc.training import attention  # noqa: F401  (registers ds_odc_varlen)
 from ds_odc.training.collate import PackedCollator
-from ds_odc.training.compile import CompileOptions, compile_blocks, compile_counts, compiled_blocks_of
+from ds_odc.training.compile import (CompileOptions, compile_blocks, compile_blocks_on_engine_compile, compile_counts,
+                                    compiled_blocks_of)
 from ds_odc.training.kernels import Kernels, kernels_from_training_args, training_args_for_kernels
 from ds_odc.training.loss import use_chunked_loss
 
@@ -138,9 +139,20 @@ def test_kernel_choices_and_trainer_arguments():
                              liger_kernel_config={"swiglu": True}, report_to=[])
     kernels = kernels_from_training_args(args)
     assert kernels.compile == CompileOptions(backend="inductor") and kernels.liger
-    given = training_args_for_kernels(args, kernels)
-    assert args.torch_compile and not given.torch_compile  # the caller's arguments are left as given
+    given = training_args_for_kernels(args)
     assert given.liger_kernel_config == {"rope": False, "rms_norm": False, "swiglu": True}  # the user's key stays
+    assert args.liger_kernel_config == {"swiglu": True}  # the caller's arguments are left as given
+    eager = TrainingArguments(output_dir="unused", use_liger_kernel=True, report_to=[])
+    assert training_args_for_kernels(eager) is eager
+
+
+def test_engine_compile_compiles_the_blocks():
+    """What Accelerate calls for TrainingArguments(torch_compile=True): engine.compile(backend, compile_kwargs)."""
+    import types
+    engine = types.SimpleNamespace(module=tiny())
+    compile_blocks_on_engine_compile(engine)
+    state = engine.compile(backend="aot_eager", compile_kwargs={"mode": None, "dynamic": None})
+    assert state.compiled and state.options == AOT and compiled_blocks_of(engine.module) is state
 
 
 # -- across ranks ------------------------------------------------------------------------------------------------------
