@@ -143,6 +143,8 @@ class _BlockForward:
     def __call__(self, block, *args, **kwargs):
         if self.state.eager_reason is not None or any(kwargs.get(k) is not None for k in _CACHE_ARGUMENTS):
             return self.original(block, *args, **kwargs)
+        for key in _LOSS_ONLY:  # see _LOSS_ONLY
+            kwargs.pop(key, None)
         try:
             return self.compiled(block, *args, **kwargs)
         except Exception as err:  # noqa: BLE001 - only compiler failures are caught; the rest is raised again
@@ -156,6 +158,10 @@ class _BlockForward:
 
 
 _CACHE_ARGUMENTS = ("past_key_values", "past_key_value", "cache", "layer_past")  # transformers' names, by version
+# Loss arguments that a causal LM's forward hands on to every layer with the rest of its keywords (Liger's does): a
+# block never reads them, and a float (the global-mean divisor, new at every minibatch) would be a constant of the
+# compiled graph, compiled again for every value.
+_LOSS_ONLY = ("num_items_in_batch",)
 _SUBCLASSES: dict[tuple[type, int], type] = {}
 
 

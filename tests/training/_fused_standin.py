@@ -27,9 +27,10 @@ class _FusedLinearCrossEntropy(torch.autograd.Function):
         return grad_h * grad_out, grad_w * grad_out, None, None
 
 
-def _fused_forward(self, input_ids=None, labels=None, num_items_in_batch=None, **kwargs):
+def _fused_forward(self, input_ids=None, labels=None, **kwargs):
     from transformers.modeling_outputs import CausalLMOutputWithPast
-    hidden = self.model(input_ids=input_ids, **kwargs).last_hidden_state
+    num_items_in_batch = kwargs.get("num_items_in_batch")
+    hidden = self.model(input_ids=input_ids, **kwargs).last_hidden_state  # Liger passes every keyword on, this too
     shift = F.pad(labels, (0, 1), value=-100)[..., 1:].reshape(-1)
     weight = self.lm_head.weight  # outside any module forward, as Liger reads it
     if weight.numel() == 0:

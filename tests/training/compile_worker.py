@@ -139,9 +139,10 @@ def scenario_fused(args):
     out = {"loss_stock": stock_losses}
     for name, odc, counts in (("odc", True, [3, 1]), ("stock_fused", None, [2] * world)):
         try:
-            params, losses, _, _ = train(odc, counts, kernels=args.kernels, steps=args.steps, backend=args.backend,
-                                         tied=args.tied, register_head=not args.no_register)
-            out[name] = {"vs_stock": max_rel_diff(params, stock), "losses": losses}
+            params, losses, per_step, _ = train(odc, counts, kernels=args.kernels, steps=args.steps,
+                                                backend=args.backend, tied=args.tied,
+                                                register_head=not args.no_register)
+            out[name] = {"vs_stock": max_rel_diff(params, stock), "losses": losses, "counts": per_step}
         except Exception as err:  # noqa: BLE001 - reported, asserted by the test
             out[name] = {"error": f"{type(err).__name__}: {str(err)[:300]}"}
     if rank == 0:
