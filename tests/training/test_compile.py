@@ -189,3 +189,14 @@ def test_a_loss_reading_the_head_weight_directly_trains_under_odc_and_stock(kern
         if kernels.startswith("compiled"):  # the loss's divisor reaches the blocks as a new float every minibatch
             counts = r[name]["counts"]
             assert counts[0]["graphs"] > 0 and counts[1] == counts[-1], counts
+
+
+def test_sft_flags_choose_the_kernels():
+    from ds_odc.recipes.sft import kernels_from_args, sft_argument_parser
+    parse = sft_argument_parser(deepspeed_config=False).parse_args
+    assert kernels_from_args(parse([])).name == "eager"
+    assert kernels_from_args(parse(["--compile"])).name == "compiled"
+    assert kernels_from_args(parse(["--compile", "--liger"])).name == "compiled+fused"
+    assert kernels_from_args(parse(["--kernels", "fused", "--compile"])).name == "compiled+fused"
+    chosen = kernels_from_args(parse(["--kernels", "compiled", "--compile-backend", "aot_eager"]))
+    assert chosen.compile == AOT and not chosen.liger
