@@ -86,6 +86,8 @@ def parse_args(argv=None):
     p.add_argument("--warmup", type=int, default=1)
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--mode-timeout", type=float, default=420)
+    p.add_argument("--compile-backend", default="inductor",
+                   help="torch.compile backend of the compiled modes (aot_eager: CPU smoke runs)")
     p.add_argument("--worker", help=argparse.SUPPRESS)
     args = p.parse_args(argv)
     for mode in args.modes.split(","):
@@ -241,7 +243,7 @@ def run_worker(args) -> dict:
         kwargs["padding_free"] = mode == "odc-packed"
     timer = StepTimer()
     trainer = cls(model, callbacks=[timer], **kwargs)
-    apply_grpo_kernels(trainer.model, kernels)
+    apply_grpo_kernels(trainer.model, kernels, args.compile_backend)
     trainer.train()
     timed = timer.steps[args.warmup:] or timer.steps
     mean = lambda key: sum(s[key] for s in timed) / len(timed)  # noqa: E731
@@ -263,13 +265,13 @@ def run_worker(args) -> dict:
     return result
 
 
-def apply_grpo_kernels(model, kernels: str) -> None:
+def apply_grpo_kernels(model, kernels: str, backend: str = "inductor") -> None:
     """The mode's kernels on the policy before training starts; TRL's fused LM head stays the loss's head."""
     if kernels == "eager":
         return
     from ds_odc.training.compile import compile_blocks
     from ds_odc.training.kernels import Kernels, apply_liger
-    chosen = Kernels.from_name(kernels)
+    chosen = Kernels.from_name(kernels, backend=backend)
     if chosen.liger and chosen.compile is None:
         apply_liger(model, rope=True, rms_norm=True, swiglu=True, fused_linear_cross_entropy=False)
     if chosen.compile is not None:
@@ -338,7 +340,8 @@ def orchestrate(args) -> int:
 
 def _worker_args(args) -> list[str]:
     keys = ("out", "model", "ranks", "rollout", "prompts", "generations", "prompt_len", "min_completion",
-            "max_completion", "per_device_batch", "loss_type", "beta", "num_iterations", "steps", "warmup", "seed")
+            "max_completion", "per_device_batch", "loss_type", "beta", "num_iterations", "steps", "warmup", "seed",
+            "compile_backend")
     return [x for k in keys for x in (f"--{k.replace('_', '-')}", str(getattr(args, k)))]
 
 
