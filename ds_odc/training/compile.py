@@ -120,13 +120,27 @@ class CompiledBlocks:
         return f"{len(self.blocks)} x {kinds}: {state}"
 
 
-def _is_backend_failure(err: BaseException) -> bool:
-    """An error of the compiler itself (dynamo or its backend), as opposed to an error of the model's code."""
+def _is_compile_failure(err: BaseException) -> bool:
+    """An error raised while compiling (dynamo's or its backend's), rather than by running compiled code: dynamo's
+    own exception types, and any error dynamo raised while tracing the model (it notes the user frame it was in, as
+    for the assertion it raises on Liger's patched layers). Falling back to eager is safe for both: an error of the
+    model's own code is raised again by the eager run."""
     try:
         from torch._dynamo.exc import BackendCompilerFailed, InternalTorchDynamoError
     except ImportError:  # pragma: no cover
         return False
-    return isinstance(err, (BackendCompilerFailed, InternalTorchDynamoError))
+    return isinstance(err, (BackendCompilerFailed, InternalTorchDynamoError)) or \
+        hasattr(err, "innermost_user_frame_summary")
+
+
+def _failure_reason(err: BaseException) -> str:
+    cause = getattr(err, "inner_exception", None) or err  # the backend's own error, where dynamo wraps it
+    lines = [line for line in str(cause).strip().splitlines() if line.strip()]
+    reason = f"{type(cause).__name__}: {lines[0] if lines and not lines[0].startswith('from user code') else ''}"
+    frame = getattr(err, "innermost_user_frame_summary", None)
+    if frame is not None:
+        reason += f" while tracing {frame.filename}:{frame.lineno} ({(frame.line or '').strip()})"
+    return reason[:500]
 
 
 class _BlockForward:
@@ -148,12 +162,9 @@ class _BlockForward:
         try:
             return self.compiled(block, *args, **kwargs)
         except Exception as err:  # noqa: BLE001 - only compiler failures are caught; the rest is raised again
-            if not _is_backend_failure(err):
+            if not _is_compile_failure(err):
                 raise
-            cause = getattr(err, "inner_exception", None) or err  # the backend's own error, where dynamo wraps it
-            lines = str(cause).strip().splitlines()
-            self.state.run_eager(f"{self.state.options.describe()} failed: {type(cause).__name__}: "
-                                 f"{lines[0] if lines else ''}"[:400])
+            self.state.run_eager(f"{self.state.options.describe()} failed: {_failure_reason(err)}")
             return self.original(block, *args, **kwargs)
 
 

@@ -20,7 +20,9 @@ With tied embeddings it is the embedding's weight, which the same registration c
 plain training) the registration changes nothing.
 
 Liger needs Triton (CUDA); on a machine without it ``"fused"`` raises an error that says so, and the chunked loss
-(:func:`ds_odc.training.loss.use_chunked_loss`) stays the loss that never holds the full logits.
+(:func:`ds_odc.training.loss.use_chunked_loss`) stays the loss that never holds the full logits. Liger's layer
+kernels also replace transformers' layer classes for models built later in the same process (Liger's own way); dynamo
+cannot trace them, so blocks compiled after ``"fused"`` fall back to eager with a warning that names them.
 """
 
 from __future__ import annotations

@@ -117,6 +117,19 @@ def test_a_failing_backend_says_so_once_and_runs_eager():
         assert all(torch.equal(a, b) for a, b in zip(grads_e, grads_f))
 
 
+def test_errors_raised_while_tracing_count_as_compile_failures():
+    """dynamo raises some of its own failures as plain exceptions noting the user frame it traced (an
+    AssertionError on Liger's patched layers, seen with torch 2.11): those fall back to eager too; an error raised
+    by running code does not."""
+    import traceback
+    from ds_odc.training.compile import _failure_reason, _is_compile_failure
+    traced = AssertionError("\n\nfrom user code:\n  File ...")
+    traced.innermost_user_frame_summary = traceback.FrameSummary("liger_kernel/rms_norm.py", 7, "forward",
+                                                                line="return LigerRMSNormFunction.apply(x)")
+    assert _is_compile_failure(traced) and not _is_compile_failure(AssertionError("a model's own check"))
+    assert "while tracing liger_kernel/rms_norm.py:7 (return LigerRMSNormFunction.apply(x))" in _failure_reason(traced)
+
+
 def test_a_model_without_blocks_says_so_and_stays_as_it_is():
     model = torch.nn.Sequential(torch.nn.Linear(4, 4))
     with pytest.warns(UserWarning, match="no transformer block classes"):
