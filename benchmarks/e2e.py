@@ -22,6 +22,25 @@ unpacked, the same attention), when those ran in the call. A second table puts t
 step time predicted from the run's own minibatches, planner and sync, with the cost fitted to the run's timed steps
 (``ds_odc.balancer.simulate.replay_run``).
 
+Kernels: a mode option ``/compiled`` (every transformer block through ``torch.compile``, dynamic lengths),
+``/fused`` (Liger's kernels) or ``/compiled+fused`` (compiled blocks plus Liger's fused linear cross-entropy on the
+head), the same for every engine (``--kernels`` of examples/sft.py and benchmarks/fsdp2_sft.py; FSDP2's blocks are
+compiled before ``fully_shard``, as torchtitan does). ``--modes kernels`` runs ODC, FSDP2 and plain training each
+eager and compiled+fused on packed rows:
+
+    python benchmarks/e2e.py --nproc 1 --model qwen2.5-1.5b --workload longtail-packed --steps 4 --modes kernels \
+        --out results/
+
+Every mode prints its tokens/s and its model FLOP utilisation (MFU):
+
+    MFU = sum over timed samples of (6 N L + 6 n_layers d_attn L^2) / (time x ranks x peak)
+
+with L the document length, N the parameters that multiply activations (all of them, less an untied input
+embedding), d_attn = heads x head_dim, causal attention counted as half of the full L^2 (forward 2 L^2 d_attn per
+layer, backward twice that); peak is the dense bf16 matmul rate this benchmark measures at start on the same GPU
+(median of 20 products of 8192 x 8192 matrices). The compile column gives the graphs compiled and the frames
+compiled after the second minibatch (0: new lengths never recompiled).
+
 The packed table on one GPU (ODC packed vs unpacked vs FSDP2 vs plain; cuDNN's sdpa as the "before" of the
 per-layer host time):
 
@@ -66,6 +85,9 @@ MODES = {
     "plain": ("plain", None, "local-sort"),
 }
 PACKED_TABLE = ["odc+lb-mini", "fsdp2", "plain", "odc+lb-mini/unpacked", "fsdp2/unpacked", "plain/unpacked"]
+KERNELS_TABLE = ["odc+lb-mini", "fsdp2", "plain", "odc+lb-mini/compiled+fused", "fsdp2/compiled+fused",
+                 "plain/compiled+fused"]
+KERNEL_CHOICES = {"eager", "compiled", "fused", "compiled+fused"}  # examples/sft.py --kernels
 LIKE_FOR_LIKE = ["fsdp2", "plain"]  # every mode's ratio against these on the same rows
 ATTENTION_OPTIONS = {"ds_odc_varlen", "sdpa", "eager", "flex_attention", "flash_attention_2"}
 KERNEL_OPTIONS = {"varlen", "bucketed"}  # of ds_odc_varlen (--attention-kernel)
@@ -82,13 +104,13 @@ def checkout_of(mode: str) -> Path:
     return root
 
 
-def parse_mode(mode: str, workload: str) -> tuple[str, bool, str, str]:
-    """``NAME[/packed|/unpacked][/ATTENTION][/KERNEL][@DIR]`` -> (name, packed, attention implementation, its
-    kernel)."""
+def parse_mode(mode: str, workload: str) -> tuple[str, bool, str, str, str]:
+    """``NAME[/packed|/unpacked][/ATTENTION][/KERNEL][/KERNELS][@DIR]`` -> (name, packed, attention implementation,
+    its kernel, the model's kernels)."""
     name, *options = mode.partition("@")[0].split("/")
     if name not in MODES:
         raise SystemExit(f"unknown mode {name!r}; choose from {sorted(MODES)}")
-    packed, attn, kernel = workload == "longtail-packed", "ds_odc_varlen", "auto"
+    packed, attn, kernel, kernels = workload == "longtail-packed", "ds_odc_varlen", "auto", "eager"
     for option in options:
         if option in ("packed", "unpacked"):
             packed = option == "packed"
@@ -96,10 +118,63 @@ def parse_mode(mode: str, workload: str) -> tuple[str, bool, str, str]:
             attn = option
         elif option in KERNEL_OPTIONS:
             kernel = option
+        elif option in KERNEL_CHOICES:
+            kernels = option
         else:
             raise SystemExit(f"mode {mode!r}: unknown option {option!r} (packed, unpacked, "
-                             f"{sorted(ATTENTION_OPTIONS)}, kernels of ds_odc_varlen {sorted(KERNEL_OPTIONS)})")
-    return name, packed, attn, kernel
+                             f"{sorted(ATTENTION_OPTIONS)}, kernels of ds_odc_varlen {sorted(KERNEL_OPTIONS)}, "
+                             f"model kernels {sorted(KERNEL_CHOICES)})")
+    return name, packed, attn, kernel, kernels
+
+
+PEAK_PROBE = """
+import torch
+n, times = 8192, []
+a, b = (torch.randn(n, n, device="cuda", dtype=torch.bfloat16) for _ in range(2))
+for _ in range(5):
+    a @ b
+for _ in range(20):
+    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    start.record(); a @ b; end.record(); torch.cuda.synchronize()
+    times.append(start.elapsed_time(end) / 1e3)
+print(2 * n ** 3 / sorted(times)[len(times) // 2] / 1e12)
+"""
+
+
+def measure_peak_tflops() -> float | None:
+    """The GPU's dense bf16 matmul rate (TFLOP/s, median of 20 products of 8192 x 8192 matrices), in a process of
+    its own so that this one holds no GPU memory while the modes run; ``None`` without a GPU."""
+    if not torch.cuda.is_available():
+        return None
+    proc = subprocess.run([sys.executable, "-c", PEAK_PROBE], capture_output=True, text=True, timeout=300)
+    return float(proc.stdout.split()[-1]) if proc.returncode == 0 and proc.stdout.split() else None
+
+
+def model_flop_terms(shape: str) -> tuple[int, int, int]:
+    """(N, layers, d_attn) of a model shape for the MFU formula: N counts the parameters that multiply activations
+    (all of them, less an untied input embedding, which is a lookup); d_attn = heads x head_dim."""
+    from transformers import AutoModelForCausalLM
+
+    from ds_odc.recipes.workloads import model_config
+    config = model_config(shape)
+    with torch.device("meta"):
+        model = AutoModelForCausalLM.from_config(config)
+    params = {id(p): p.numel() for p in model.parameters()}
+    embed = model.get_input_embeddings().weight
+    tied = embed is model.get_output_embeddings().weight
+    n = sum(params.values()) - (0 if tied else embed.numel())
+    head_dim = getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
+    return n, config.num_hidden_layers, config.num_attention_heads * head_dim
+
+
+def model_tflops(metrics: dict, terms: tuple[int, int, int], first: int, last: int) -> float:
+    """Model TFLOP/s of a run over its steps ``first..last-1``: sum of 6 N L + 6 layers d_attn L^2 over every
+    document of every rank (tokens and squared lengths as the plan counted them), over the steps' time."""
+    n, layers, d_attn = terms
+    steps = metrics["steps"][first:last]
+    flops = sum(6 * n * r["tokens"] + 6 * layers * d_attn * r["sq_tokens"] for s in steps for r in s["per_rank"])
+    seconds = sum(s["step_time_s"] for s in steps)
+    return flops / seconds / 1e12 if seconds else 0.0
 
 
 def write_lengths(workload: str, minibatches: int, path: Path, scale: float = 1.0, nproc: int = 2) -> None:
@@ -120,16 +195,16 @@ def write_lengths(workload: str, minibatches: int, path: Path, scale: float = 1.
 
 def like_for_like(mode: str, base: str, ran: dict, workload: str) -> str | None:
     """The mode of ``ran`` that trains ``base`` on the same rows as ``mode`` (packing and attention), if any."""
-    _, packed, attn, kernel = parse_mode(mode, workload)
+    _, *rows = parse_mode(mode, workload)
     for other in ran:
-        name, other_packed, other_attn, other_kernel = parse_mode(other, workload)
-        if name == base and (other_packed, other_attn, other_kernel) == (packed, attn, kernel):
+        name, *other_rows = parse_mode(other, workload)
+        if name == base and other_rows == rows:
             return other
     return None
 
 
 def run(mode: str, args, lengths: Path, out: Path, round_: int = 0) -> dict:
-    name, packed, attn, kernel = parse_mode(mode, args.workload)
+    name, packed, attn, kernel, kernels = parse_mode(mode, args.workload)
     root = checkout_of(mode)
     profile = args.profile and round_ == 0  # one profiled minibatch per mode is enough
     script, config, balancer = MODES[name]
@@ -149,6 +224,8 @@ def run(mode: str, args, lengths: Path, out: Path, round_: int = 0) -> dict:
            "--metrics-json", str(metrics), "--cost", args.cost]
     if script == "plain":
         cmd += ["--engine", "plain"]
+    if kernels != "eager":
+        cmd += ["--kernels", kernels, "--compile-backend", args.compile_backend]
     if args.cost_coeffs:
         cmd += ["--cost-coeffs", args.cost_coeffs]
     if config:
@@ -174,9 +251,13 @@ def run(mode: str, args, lengths: Path, out: Path, round_: int = 0) -> dict:
     written = json.loads(metrics.read_text())
     result = written["summary"]
     result.update(mode=mode, wall_s=time.monotonic() - started, metrics_file=str(metrics))
+    result["model_tflops"] = model_tflops(written, args.flop_terms, 1, args.steps)
+    if args.peak_tflops:
+        result["mfu"] = result["model_tflops"] / (args.nproc * args.peak_tflops)
     if written.get("profile_rank0"):
         result["profile"] = written["profile_rank0"]
     print(f"  {mode}{f' (round {round_ + 1})' if args.repeat > 1 else ''}: {result['samples_per_s']:.3f} samples/s, "
+          f"{result['tokens_per_s']:.0f} tokens/s, {result['model_tflops']:.0f} model TFLOP/s, "
           f"bubble {result['bubble_rate']:.1%} ({result['wall_s']:.0f}s wall)", flush=True)
     return result
 
@@ -199,15 +280,15 @@ def print_replays(results: dict[str, dict]) -> None:
     """The simulator's step time for each mode's (median) run beside the measured one
     (:func:`ds_odc.balancer.simulate.replay_run`: its minibatches in order, its planner and sync, its own cost fit)."""
     print("\nsimulator replaying each run (its minibatches, planner and sync; cost fitted to its own timed steps)")
-    print(f"{'mode':<28}{'measured s/step':>16}{'predicted':>11}{'predicted/measured':>20}   cost")
+    print(f"{'mode':<34}{'measured s/step':>16}{'predicted':>11}{'predicted/measured':>20}   cost")
     for mode, r in results.items():
         try:
             replay = replay_run(json.loads(Path(r["metrics_file"]).read_text()))
         except (OSError, KeyError, ValueError) as err:
-            print(f"{mode:<28}{'-':>16}{'-':>11}{'-':>20}   not replayed: {err}")
+            print(f"{mode:<34}{'-':>16}{'-':>11}{'-':>20}   not replayed: {err}")
             continue
         n, cost = replay["steps"], replay["cost"]
-        print(f"{mode:<28}{replay['measured_s'] / n:>16.3f}{replay['predicted_s'] / n:>11.3f}"
+        print(f"{mode:<34}{replay['measured_s'] / n:>16.3f}{replay['predicted_s'] / n:>11.3f}"
               f"{replay['ratio']:>19.2f}x   {cost['source']}: a={cost['a']:.3g} b={cost['b']:.3g} "
               f"c={cost['c']:.3g} d={cost['d']:.3g}")
 
@@ -234,6 +315,8 @@ def main():
                    help="run one more minibatch under the torch profiler (not timed): host vs device time per layer")
     p.add_argument("--profile-python", action="store_true",
                    help="with --profile: record Python calls too, and list those that ran while the GPU idled")
+    p.add_argument("--compile-backend", default="inductor",
+                   help="torch.compile backend of the compiled modes (aot_eager: CPU smoke runs)")
     p.add_argument("--scale", type=float, default=1.0, help="scale all lengths (CPU smoke runs with --model tiny)")
     p.add_argument("--repeat", type=int, default=1,
                    help="run the modes this many times, in rounds; medians and in-round ratios in the table")
@@ -243,12 +326,21 @@ def main():
     packed_table = args.workload == "longtail-packed"
     args.modes = args.modes or ",".join(PACKED_TABLE if packed_table else
                                         [m for m in MODES if m != "plain" or args.nproc == 1])
+    if args.modes == "kernels":
+        args.modes = ",".join(KERNELS_TABLE)
     args.compare_to = args.compare_to if args.compare_to is not None else ("" if packed_table else "stock+lb-micro")
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
     lengths = out / f"lengths-{args.workload}.txt"
     write_lengths(args.workload, args.steps + args.profile, lengths, args.scale, args.nproc)
     print(f"# {args.model} / {args.workload} on {args.nproc} ranks: {' '.join(sys.argv)}", flush=True)
+    args.flop_terms = model_flop_terms(args.model)
+    args.peak_tflops = measure_peak_tflops()
+    n, layers, d_attn = args.flop_terms
+    print(f"# model FLOPs per document of L tokens: 6 N L + 6 n_layers d_attn L^2 = 6 x {n:,} x L + 6 x {layers} x "
+          f"{d_attn} x L^2 (causal attention); peak: "
+          + (f"{args.peak_tflops:.0f} TFLOP/s dense bf16 measured here (8192^3 matmul, median of 20)"
+             if args.peak_tflops else "not measured (no GPU): no MFU"), flush=True)
     modes = args.modes.split(",")
     for mode in modes:
         checkout_of(mode)  # a wrong @DIR fails now, not after the other modes ran
@@ -266,7 +358,10 @@ def main():
     print(f"\n{args.model} / {args.workload} ({args.nproc} ranks; timed minibatches 2-{args.steps}; "
           "'same rows': packed with packed, unpacked with unpacked"
           + (f"; median of {args.repeat} rounds, ratios within a round" if args.repeat > 1 else "") + ")")
-    print(f"{'mode':<28}{'samples/s/dev':>14}{'tokens/s':>11}{'bubble':>8}{'peak GiB':>9}"
+    eager_twins = {m: m.replace("/compiled+fused", "").replace("/compiled", "").replace("/fused", "")
+                   for m in ok}  # a mode with other kernels -> the same mode eager
+    print(f"{'mode':<34}{'samples/s/dev':>14}{'tokens/s':>11}{'TFLOP/s':>8}{'MFU':>7}{'bubble':>8}{'peak GiB':>9}"
+          f"{'compile':>10}{'vs eager':>9}"
           + "".join(f"{'vs ' + m + ' same rows':>22}" for m in LIKE_FOR_LIKE)
           + "".join(f"{'vs ' + m:>{max(12, len(m) + 5)}}" for m in references))
     for mode, r in ok.items():
@@ -275,8 +370,15 @@ def main():
             twin = like_for_like(mode, base, ok, args.workload)
             like += f"{ratio(runs, mode, twin):>21.2f}x" if twin else f"{'-':>22}"
         ratios = "".join(f"{ratio(runs, mode, m):>{max(12, len(m) + 5) - 1}.2f}x" for m in references)
-        print(f"{mode:<28}{r['samples_per_s_per_device']:>14.3f}{r['tokens_per_s']:>11.0f}{r['bubble_rate']:>8.1%}"
-              f"{r['peak_mem_bytes'] / 2**30:>9.1f}{like}{ratios}")
+        compiled = r.get("compile")
+        compiled = f"{compiled['graphs']}g/{compiled['compiled_after_step_2']}r" if compiled else "-"
+        eager = eager_twins[mode]
+        vs_eager = f"{ratio(runs, mode, eager):>8.2f}x" if eager != mode and eager in ok else f"{'-':>9}"
+        mfu = f"{r['mfu']:>7.1%}" if "mfu" in r else f"{'-':>7}"
+        print(f"{mode:<34}{r['samples_per_s_per_device']:>14.3f}{r['tokens_per_s']:>11.0f}{r['model_tflops']:>8.0f}"
+              f"{mfu}{r['bubble_rate']:>8.1%}{r['peak_mem_bytes'] / 2**30:>9.1f}{compiled:>10}{vs_eager}{like}{ratios}")
+    print("compile: graphs compiled / frames compiled after the second minibatch (recompiles); MFU: model FLOPs "
+          "(6 N L + 6 n_layers d_attn L^2 per document) over time x ranks x the measured peak")
     if args.repeat > 1:
         print("samples/s of every round: " + "; ".join(
             f"{m} {' '.join(f'{x:.3f}' for x in r['runs_samples_per_s'])}" for m, r in ok.items()))

@@ -20,6 +20,15 @@ and the model's shape comes from ``ds_odc.balancer.presets.MODEL_SHAPES``.
 | ``odc-padded`` | ``OdcGRPOTrainer(padding_free=False)``: padded microbatches up to the stock microbatch's size |
 | ``odc-packed`` | ``OdcGRPOTrainer(padding_free=True)``: packed rows (``ds_odc_varlen``) of the same token budget |
 
+A mode takes the model's kernels after a slash (``ds_odc.training.kernels``): ``odc-packed/compiled`` compiles every
+transformer block (dynamic lengths; the training forward, the scoring forwards and activation checkpointing's
+recomputation all run the compiled blocks), ``/fused`` adds Liger's layer kernels (RMSNorm, SwiGLU, RoPE), and
+``/compiled+fused`` is compiled blocks with TRL's own fused LM head (TRL 1.16 computes the log-probabilities chunk by
+chunk without the logits and refuses Liger's fused cross-entropy; inside compiled blocks inductor fuses what Liger's
+layer kernels would). The table then gives each such mode's training phase against the same mode eager:
+
+    python benchmarks/grpo.py --out runs/grpo --modes odc-packed,odc-packed/compiled+fused
+
 Per optimizer step after ``--warmup`` steps: the step's wall time (first microbatch to the end of the optimizer step,
 device synchronised), the rollout's time inside it, and the training phase (step less rollout: scoring, old /
 reference log-probs, re-planning, forward, backward, optimizer step). Peak memory is ``max_memory_allocated`` over
@@ -40,6 +49,19 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
 MODES = ("stock", "odc-padded", "odc-packed")
+KERNELS = ("eager", "compiled", "fused", "compiled+fused")
+
+
+def split_mode(mode: str) -> tuple[str, str]:
+    """``NAME[/KERNELS]`` -> (name, kernels)."""
+    name, _, kernels = mode.partition("/")
+    if name not in MODES or (kernels or "eager") not in KERNELS:
+        raise SystemExit(f"mode {mode!r}: choose NAME[/KERNELS], NAME from {MODES}, KERNELS from {KERNELS}")
+    return name, kernels or "eager"
+
+
+def mode_file(mode: str) -> str:
+    return mode.replace("/", "-") + ".json"
 SHAPES = {"1.5b": "qwen2.5-1.5b", "0.5b": "qwen2.5-0.5b", "tiny": "tiny"}
 SMALL = dict(prompts=4, generations=4, prompt_len=24, min_completion=2, max_completion=48, per_device_batch=4)
 
@@ -64,8 +86,12 @@ def parse_args(argv=None):
     p.add_argument("--warmup", type=int, default=1)
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--mode-timeout", type=float, default=420)
-    p.add_argument("--worker", choices=MODES, help=argparse.SUPPRESS)
+    p.add_argument("--compile-backend", default="inductor",
+                   help="torch.compile backend of the compiled modes (aot_eager: CPU smoke runs)")
+    p.add_argument("--worker", help=argparse.SUPPRESS)
     args = p.parse_args(argv)
+    for mode in args.modes.split(","):
+        split_mode(mode)
     big = dict(prompts=16, generations=8, prompt_len=256, min_completion=16, max_completion=2048, per_device_batch=8)
     for key, value in (SMALL if args.model == "tiny" else big).items():
         if getattr(args, key) is None:
@@ -108,7 +134,7 @@ def run_worker(args) -> dict:
     from ds_odc.integrations.trl_grpo import OdcGRPOTrainer
     from ds_odc.recipes.toy_text import char_tokenizer
 
-    mode, on_gpu = args.worker, torch.cuda.is_available()
+    (mode, kernels), on_gpu = split_mode(args.worker), torch.cuda.is_available()
     world, rank = dist.get_world_size(), dist.get_rank()
     rows_per_rank = args.prompts * args.generations // world
     zero = {"stage": 3, "overlap_comm": False, "contiguous_gradients": True, "stage3_param_persistence_threshold": 0}
@@ -216,22 +242,39 @@ def run_worker(args) -> dict:
         kwargs["padding_free"] = mode == "odc-packed"
     timer = StepTimer()
     trainer = cls(model, callbacks=[timer], **kwargs)
+    apply_grpo_kernels(trainer.model, kernels, args.compile_backend)
     trainer.train()
     timed = timer.steps[args.warmup:] or timer.steps
     mean = lambda key: sum(s[key] for s in timed) / len(timed)  # noqa: E731
     logs = [e for e in trainer.state.log_history if "loss" in e]
-    result = {"mode": mode, "ranks": world, "step_s": mean("step_s"), "rollout_s": mean("rollout_s"),
+    result = {"mode": args.worker, "ranks": world, "step_s": mean("step_s"), "rollout_s": mean("rollout_s"),
               "generated_drawn_lengths": clock.get("lengths_ok"),
               "training_s": mean("step_s") - mean("rollout_s"), "steps": timer.steps,
               "loss": [e["loss"] for e in logs],
               "microbatches": [list(m) for m in getattr(trainer, "odc_microbatch_history", [])],
-              "device": torch.cuda.get_device_name(0) if on_gpu else "cpu"}
+              "device": torch.cuda.get_device_name(0) if on_gpu else "cpu", "kernels": kernels}
+    if kernels != "eager":
+        from ds_odc.training.compile import compile_counts
+        result["compile"] = compile_counts().as_dict()
     result["completion_tokens"] = sum(sum(completion_lengths(args, s)) for s in range(args.steps)) / args.steps
     if on_gpu:
         peak = torch.tensor([torch.cuda.max_memory_allocated() / 2**30], device="cuda")
         dist.all_reduce(peak, op=dist.ReduceOp.MAX)
         result["peak_gib"] = float(peak)
     return result
+
+
+def apply_grpo_kernels(model, kernels: str, backend: str = "inductor") -> None:
+    """The mode's kernels on the policy before training starts; TRL's fused LM head stays the loss's head."""
+    if kernels == "eager":
+        return
+    from ds_odc.training.compile import compile_blocks
+    from ds_odc.training.kernels import Kernels, apply_liger
+    chosen = Kernels.from_name(kernels, backend=backend)
+    if chosen.liger and chosen.compile is None:
+        apply_liger(model, rope=True, rms_norm=True, swiglu=True, fused_linear_cross_entropy=False)
+    if chosen.compile is not None:
+        compile_blocks(model, chosen.compile)
 
 
 def model_folder(args) -> Path:
@@ -277,11 +320,11 @@ def orchestrate(args) -> int:
             with tempfile.TemporaryDirectory(prefix="ds_odc_bench_") as scratch:  # torchrun's log folder
                 proc = subprocess.run(cmd, capture_output=True, text=True, timeout=args.mode_timeout,
                                       env={**env, "TMPDIR": scratch})
-            ok = proc.returncode == 0 and (out / f"{mode}.json").exists()
+            ok = proc.returncode == 0 and (out / mode_file(mode)).exists()
             tail = (proc.stdout + proc.stderr)[-4000:]
         except subprocess.TimeoutExpired:
             ok, tail = False, f"timed out after {args.mode_timeout} s"
-        results[mode] = json.loads((out / f"{mode}.json").read_text()) if ok else {"mode": mode, "failed": tail}
+        results[mode] = json.loads((out / mode_file(mode)).read_text()) if ok else {"mode": mode, "failed": tail}
         if not ok:
             print(f"{mode}: FAILED\n{tail}", flush=True)
         print(f"{mode}: done in {time.perf_counter() - started:.0f} s", flush=True)
@@ -295,7 +338,8 @@ def orchestrate(args) -> int:
 
 def _worker_args(args) -> list[str]:
     keys = ("out", "model", "ranks", "rollout", "prompts", "generations", "prompt_len", "min_completion",
-            "max_completion", "per_device_batch", "loss_type", "beta", "num_iterations", "steps", "warmup", "seed")
+            "max_completion", "per_device_batch", "loss_type", "beta", "num_iterations", "steps", "warmup", "seed",
+            "compile_backend")
     return [x for k in keys for x in (f"--{k.replace('_', '-')}", str(getattr(args, k)))]
 
 
@@ -306,18 +350,21 @@ def report(results: dict, args) -> str:
              f"step, completions {min(lengths)}-{max(lengths)} tokens (median {sorted(lengths)[len(lengths) // 2]}), "
              f"{args.rollout} rollout, loss {args.loss_type}, beta {args.beta}; means over {args.steps - args.warmup} "
              f"timed steps", "",
-             "| mode | training s/step | training vs stock | step s | step vs stock | rollout s | peak GiB | "
-             "microbatches per rank |", "|---|---|---|---|---|---|---|---|"]
+             "| mode | training s/step | training vs stock | training vs eager | step s | step vs stock | "
+             "rollout s | peak GiB | microbatches per rank |", "|---|---|---|---|---|---|---|---|---|"]
     for mode, r in results.items():
         if "failed" in r:
-            lines.append(f"| {mode} | failed | | | | | | |")
+            lines.append(f"| {mode} | failed | | | | | | | |")
             continue
         speed = lambda key: (f"{stock[key] / r[key]:.2f}x" if key in stock and r[key] > 0 else "-")  # noqa: E731
         peak = f"{r['peak_gib']:.1f}" if "peak_gib" in r else "-"
         counts = r["microbatches"][args.warmup:] or r["microbatches"]  # stock: its accumulation steps
         per_rank = ("/".join(f"{sum(c[k] for c in counts) / len(counts):.1f}" for k in range(r["ranks"])) if counts
                     else str(args.prompts * args.generations // (args.ranks * args.per_device_batch)))
-        lines.append(f"| {mode} | {r['training_s']:.2f} | {speed('training_s')} | {r['step_s']:.2f} | "
+        eager = results.get(split_mode(mode)[0]) if "/" in mode else None
+        vs_eager = (f"{eager['training_s'] / r['training_s']:.2f}x" if eager and "failed" not in eager
+                    and r["training_s"] > 0 else "-")
+        lines.append(f"| {mode} | {r['training_s']:.2f} | {speed('training_s')} | {vs_eager} | {r['step_s']:.2f} | "
                      f"{speed('step_s')} | {r['rollout_s']:.2f} | {peak} | "
                      f"{per_rank} |")
     lines.append("")
@@ -331,7 +378,7 @@ def main(argv=None) -> int:
         result = run_worker(args)
         import torch.distributed as dist
         if dist.get_rank() == 0:
-            Path(args.out, f"{args.worker}.json").write_text(json.dumps(result))
+            Path(args.out, mode_file(args.worker)).write_text(json.dumps(result))
         dist.barrier()
         dist.destroy_process_group()
         return 0

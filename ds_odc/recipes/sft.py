@@ -21,10 +21,11 @@ from ds_odc.balancer.presets import MODEL_SHAPES, PRESETS
 from ds_odc.balancer.sp import DEFAULT_EFFICIENCY, SplitPolicy
 from ds_odc.recipes.workloads import load_lengths, tokenize_text_file
 from ds_odc.training import attention
+from ds_odc.training.kernels import KERNEL_CHOICES, Kernels, apply_kernels
 from ds_odc.training.loss import use_chunked_loss
 
 __all__ = ["sft_argument_parser", "samples_from_args", "cost_from_args", "split_policy_from_args",
-           "attention_from_args", "prepare_model", "on_device", "plan_attention"]
+           "attention_from_args", "kernels_from_args", "prepare_model", "on_device", "plan_attention"]
 
 
 def sft_argument_parser(description: str | None = None, deepspeed_config: bool = True) -> argparse.ArgumentParser:
@@ -81,6 +82,16 @@ def sft_argument_parser(description: str | None = None, deepspeed_config: bool =
                         "math); default: all. cuDNN plans each new sequence length on the host, which variable lengths "
                         "pay for")
     p.add_argument("--gradient-checkpointing", action="store_true")
+    p.add_argument("--kernels", default="eager", choices=KERNEL_CHOICES,
+                   help="eager: the model as written; compiled: every transformer block through torch.compile "
+                        "(dynamic lengths, hooks outside); fused: Liger's kernels (needs liger-kernel and a GPU); "
+                        "compiled+fused: compiled blocks plus Liger's fused linear cross-entropy "
+                        "(ds_odc.training.kernels)")
+    p.add_argument("--compile", action="store_true", help="compile the blocks (with --liger: --kernels compiled+fused)")
+    p.add_argument("--liger", action="store_true", help="Liger's fused kernels (with --compile: compiled+fused)")
+    p.add_argument("--compile-backend", default="inductor",
+                   help="torch.compile backend of --kernels compiled (aot_eager: no code generation, for tests)")
+    p.add_argument("--compile-mode", default=None, help="torch.compile mode (e.g. max-autotune-no-cudagraphs)")
     p.add_argument("--zero-init", action="store_true",
                    help="build the model partitioned with deepspeed.zero.Init (GPU; fails on CPU with torch 2.13)")
     p.add_argument("--metrics-json")
@@ -143,14 +154,27 @@ def attention_from_args(args: argparse.Namespace) -> str:
     return sequence_parallel.ATTENTION_NAME
 
 
+def kernels_from_args(args: argparse.Namespace) -> Kernels:
+    """The model's kernels: ``--kernels``, or ``--compile`` / ``--liger`` added to it."""
+    name = getattr(args, "kernels", "eager")
+    compiled = name.startswith("compiled") or getattr(args, "compile", False)
+    fused = name.endswith("fused") or getattr(args, "liger", False)
+    name = "+".join(n for n, on in (("compiled", compiled), ("fused", fused)) if on) or "eager"
+    return Kernels.from_name(name, backend=getattr(args, "compile_backend", "inductor"),
+                             mode=getattr(args, "compile_mode", None))
+
+
 def prepare_model(model: torch.nn.Module, args: argparse.Namespace) -> torch.nn.Module:
-    """The model options of the flags: attention kernel and sdpa backends, chunked loss, activation checkpointing."""
+    """The model options of the flags: attention kernel and sdpa backends, the loss (chunked, or Liger's fused
+    cross-entropy), activation checkpointing, compiled blocks. Before ``deepspeed.initialize`` / ``fully_shard``."""
     attention.use_kernel(model, args.attention_kernel)
     attention.limit_sdpa_backends(model, args.sdpa_backends)
-    if args.loss_chunk_tokens:
+    kernels = kernels_from_args(args)
+    if args.loss_chunk_tokens and not kernels.liger:  # Liger's loss never holds the logits either
         use_chunked_loss(model, chunk_tokens=args.loss_chunk_tokens)
     if args.gradient_checkpointing:
         model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+    apply_kernels(model, kernels)
     return model
 
 

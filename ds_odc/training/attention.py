@@ -137,13 +137,19 @@ def _boundaries(query: torch.Tensor, kwargs: dict) -> DocumentBoundaries:
     return boundaries_from_position_ids(position_ids)
 
 
-@functools.cache  # checked at every layer call: import and signature once per process
-def _varlen_kernel():
+def _find_varlen_kernel():
     try:
         from torch.nn.attention.varlen import varlen_attn
     except ImportError:
         return None, False
     return varlen_attn, "enable_gqa" in inspect.signature(varlen_attn).parameters
+
+
+_VARLEN_KERNEL = _find_varlen_kernel()  # once per process: read at every layer call, and traced under compilation
+
+
+def _varlen_kernel():
+    return _VARLEN_KERNEL
 
 
 def _varlen_runs(query: torch.Tensor) -> bool:
@@ -250,8 +256,7 @@ def _bucketed(query, key, value, lengths, scaling, use_varlen: bool, long_docume
             out = F.scaled_dot_product_attention(q, k, v, is_causal=True, scale=scaling, enable_gqa=gqa)
             parts.append(out[:, :, :seg.end - seg.start].transpose(1, 2))
         elif seg.cu_seqlens is not None:
-            bounds = DocumentBoundaries(seg.cu_seqlens, max(seg.lengths), seg.lengths)
-            parts.append(_varlen(q, k, v, bounds, scaling, True)[None])
+            parts.append(_varlen(q, k, v, seg.cu_seqlens, max(seg.lengths), scaling, True)[None])
         else:
             parts.append(_per_document_sdpa(q, k, v, list(seg.lengths), scaling, True).transpose(1, 2))
     return parts[0] if len(parts) == 1 else torch.cat(parts, dim=1)
@@ -267,13 +272,13 @@ def _per_document_sdpa(query, key, value, lengths, scaling, causal):
     return torch.cat(parts, dim=2)
 
 
-def _varlen(query, key, value, bounds: DocumentBoundaries, scaling, causal):
+def _varlen(query, key, value, cu_seqlens: torch.Tensor, max_length: int, scaling, causal):
     """torch's varlen flash attention on ``[T, H, D]`` views of the ``[1, H, T, D]`` inputs."""
     varlen_attn, takes_gqa = _varlen_kernel()
     q, k, v = (x[0].transpose(0, 1) for x in (query, key, value))
     extra = {"enable_gqa": True} if takes_gqa and q.shape[1] != k.shape[1] else {}
     # Older signatures have no enable_gqa: the flash kernel itself takes fewer k/v heads than q heads.
-    return varlen_attn(q, k, v, bounds.cu_seqlens, bounds.cu_seqlens, bounds.max_length, bounds.max_length,
+    return varlen_attn(q, k, v, cu_seqlens, cu_seqlens, max_length, max_length,
                        scale=scaling, window_size=(-1, 0) if causal else (-1, -1), **extra)
 
 
@@ -281,7 +286,39 @@ def varlen_attention_forward(module: torch.nn.Module, query: torch.Tensor, key: 
                              attention_mask: torch.Tensor | None, dropout: float = 0.0, scaling: float | None = None,
                              sliding_window: int | None = None, softcap: float | None = None, **kwargs):
     """The transformers attention function ``ds_odc_varlen``: ``query`` ``[B, H, T, D]``, ``key``/``value``
-    ``[B, KV, T, D]``; returns ``([B, T, H, D], None)``."""
+    ``[B, KV, T, D]``; returns ``([B, T, H, D], None)``.
+
+    Under ``torch.compile`` (``ds_odc.training.compile``) the kernels that read document lengths on the host run
+    outside the graph (a graph break: compiled code cannot read a device tensor's values on the host without a
+    recompile per row); the ``varlen`` kernel chosen explicitly (``use_kernel(model, "varlen")``), with the
+    boundaries given as ``cu_seq_lens_q`` and ``max_length_q``, stays in the graph."""
+    if torch.compiler.is_compiling():
+        if _varlen_in_graph(module, query, attention_mask, dropout, sliding_window, softcap, kwargs):
+            cu_seqlens = kwargs["cu_seq_lens_q"].reshape(-1).to(torch.int32)
+            batch, heads, tokens, dim = query.shape
+            if batch > 1:
+                query, key, value = (x.transpose(0, 1).reshape(1, x.shape[1], batch * tokens, dim)
+                                     for x in (query, key, value))
+            out = _varlen(query, key, value, cu_seqlens, kwargs["max_length_q"], scaling,
+                          getattr(module, "is_causal", True))
+            return out.reshape(batch, tokens, heads, dim), None
+        return _attention_outside_graph(module, query, key, value, attention_mask, dropout, scaling, sliding_window,
+                                        softcap, **kwargs)
+    return _attention(module, query, key, value, attention_mask, dropout, scaling, sliding_window, softcap, **kwargs)
+
+
+def _varlen_in_graph(module, query, attention_mask, dropout, sliding_window, softcap, kwargs) -> bool:
+    """Whether a compiled graph can hold this attention call: the ``varlen`` kernel, chosen explicitly, on a device
+    where it runs, with the boundaries as tensors and nothing that the eager path would refuse."""
+    return (kernel_choice(module).kernel == "varlen" and _varlen_runs(query) and attention_mask is None
+            and not dropout and sliding_window is None and softcap is None and kwargs.get("s_aux") is None
+            and kwargs.get("cu_seq_lens_q") is not None and kwargs.get("max_length_q") is not None)
+    # cu_seq_lens_k is taken to equal cu_seq_lens_q (self-attention; the collators return one tensor for both):
+    # comparing them would read device values on the host, which the eager path does once per forward.
+
+
+def _attention(module, query, key, value, attention_mask, dropout=0.0, scaling=None, sliding_window=None,
+               softcap=None, **kwargs):
     if attention_mask is not None:
         raise ValueError("ds_odc_varlen takes padding-free rows (documents concatenated, position ids restarting, no "
                          "padding): this batch has padding in its attention_mask. Collate with "
@@ -302,12 +339,17 @@ def varlen_attention_forward(module: torch.nn.Module, query: torch.Tensor, key: 
     if batch > 1:  # flatten the rows into one sequence of documents
         query, key, value = (x.transpose(0, 1).reshape(1, x.shape[1], batch * tokens, dim) for x in (query, key, value))
     if kernel == "varlen":
-        out = _varlen(query, key, value, bounds, scaling, causal)[None]  # [1, B*T, H, D]
+        out = _varlen(query, key, value, bounds.cu_seqlens, bounds.max_length, scaling, causal)[None]  # [1, B*T, H, D]
     elif kernel == "bucketed":
         out = _bucketed(query, key, value, bounds.host_lengths(), scaling, varlen_runs, choice.long_document)
     else:
         out = _per_document_sdpa(query, key, value, list(bounds.host_lengths()), scaling, causal).transpose(1, 2)
     return out.reshape(batch, tokens, heads, dim), None
+
+
+# Under compilation: the whole eager attention as one opaque call (its host reads and per-document loops would
+# otherwise be traced, and recompiled for every new set of document lengths).
+_attention_outside_graph = torch.compiler.disable(_attention)
 
 
 def bucket_lengths(longest: int, shortest: int = LONG_DOCUMENT) -> list[int]:

@@ -17,10 +17,15 @@ simulator's collective model gives the compute-only figure).
 
 The same per-rank numbers (busy seconds, tokens, sum of squared document lengths, microbatches) are what the
 balancer's automatic cost fits (``BalancedBatchSampler.observe``).
+
+Where blocks are compiled (``ds_odc.training.compile``) each record carries dynamo's counters after its step (this
+rank's: graphs, compiled frames, graph breaks), and the summary says how many frames were compiled after the second
+minibatch (``compiled_after_step_2``: 0 when new lengths never recompile).
 """
 
 from __future__ import annotations
 
+import sys
 import time
 from dataclasses import asdict, dataclass, field
 from typing import Iterable, Sequence
@@ -73,6 +78,7 @@ class StepRecord:
     num_samples: int = 0
     per_rank: list[RankStep] = field(default_factory=list)
     cost: dict | None = None  # the automatic cost after this step (BalancedBatchSampler.observe), if any
+    compiled: dict | None = None  # dynamo's counters after this step on this rank, once anything was compiled
 
     def as_dict(self) -> dict:
         return asdict(self)
@@ -121,7 +127,16 @@ def record_from_rows(rows: Sequence[Sequence[float]], num_samples: int) -> StepR
         peak_mem_bytes=peak_memory_bytes(),
         num_samples=int(num_samples),
         per_rank=[RankStep(b, step_time - b, int(r[3]), int(r[4]), int(r[5])) for b, r in zip(busy, rows)],
+        compiled=_compile_counts(),
     )
+
+
+def _compile_counts() -> dict | None:
+    if "torch._dynamo" not in sys.modules:  # nothing compiled (and no need to import dynamo to say so)
+        return None
+    from ds_odc.training.compile import compile_counts
+    counts = compile_counts()
+    return counts.as_dict() if counts.frames else None
 
 
 def bubble_rate(records: Sequence[StepRecord]) -> float:
@@ -148,4 +163,14 @@ def summarize(records: list[StepRecord], warmup_steps: int, world_size: int, unt
         "time_s": total,
         "peak_mem_bytes": max(r.peak_mem_bytes for r in records),
         "final_loss": records[-1].loss,
+        **_compile_summary(records),
     }
+
+
+def _compile_summary(records: list[StepRecord]) -> dict:
+    """Graphs and frames compiled over the run, and frames compiled after its second minibatch (recompiles)."""
+    counted = [r.compiled for r in records if r.compiled]
+    if not counted:
+        return {}
+    second = next((r.compiled for r in records[1:2] if r.compiled), None) or {"frames": 0}
+    return {"compile": {**counted[-1], "compiled_after_step_2": counted[-1]["frames"] - second["frames"]}}
