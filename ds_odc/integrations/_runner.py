@@ -74,13 +74,13 @@ from ds_odc.training.loss import count_loss_tokens, use_chunked_loss
 from ds_odc.training.metrics import StepClock, StepRecord, record_from_rows
 from ds_odc.training.sequence_parallel import ATTENTION_NAME as SP_ATTENTION_NAME
 from ds_odc.training.sequence_parallel import SequenceParallel
+from ds_odc.zero.engine import tag_minibatch
 
 logger = logging.get_logger(__name__)
 
-__all__ = ["Microbatch", "StepTimes", "StepRunner", "OdcRunner", "PackRunner", "RunsOdcSteps", "balancer_options",
-           "with_split_policy",
-           "odc_enabled", "deepspeed_config_of", "one_pack_per_step", "BALANCER_STATE_NAME", "resolve_checkpoint",
-           "save_balancer_state", "load_balancer_state"]
+__all__ = ["Microbatch", "MinibatchPosition", "StepTimes", "StepRunner", "OdcRunner", "PackRunner", "RunsOdcSteps",
+           "balancer_options", "with_split_policy", "odc_enabled", "deepspeed_config_of", "one_pack_per_step",
+           "BALANCER_STATE_NAME", "resolve_checkpoint", "save_balancer_state", "load_balancer_state"]
 
 BALANCER_STATE_NAME = "ds_odc_balancer.json"  # in every checkpoint folder: where the balancer stands
 
@@ -167,6 +167,16 @@ class Microbatch:
 
 
 @dataclass(frozen=True)
+class MinibatchPosition:
+    """Which minibatch an optimizer step trains, as every rank must agree (``tag_minibatch``): its epoch and step in
+    the plan, and the global label-token count its loss is normalised by, where known."""
+
+    epoch: int | None
+    step: int | None
+    label_tokens: int | None = None
+
+
+@dataclass(frozen=True)
 class StepTimes:
     """This rank's share of one optimizer step: summed loss of its microbatches, and its timings."""
 
@@ -215,6 +225,12 @@ class OdcRunner(StepRunner):
         self.options = options
         self.meter = BalanceMeter(trainer.args.world_size)
         self.cost: CostModel | AutoCost | None = None
+        # The ds_config keeps the caller's accumulation steps (filled in by TrainingArguments); ODC marks every
+        # boundary itself, so the count is not used. Accelerate would adopt it anyway, with a "Gradient accumulation
+        # steps mismatch" warning against the trainer's 1: give it the value now.
+        ds_steps = deepspeed_config_of(trainer.args).get("gradient_accumulation_steps")
+        if isinstance(ds_steps, int):
+            trainer.accelerator.gradient_accumulation_steps = ds_steps
 
     # -- one microbatch ---------------------------------------------------------------------------------------------
     def microbatch_context(self, model, mb: Microbatch) -> ContextManager:
@@ -229,12 +245,13 @@ class OdcRunner(StepRunner):
             return train(mb)
 
     # -- the step ---------------------------------------------------------------------------------------------------
-    def step(self, model, microbatches: Sequence[Microbatch],
-             train: Callable[[Microbatch], torch.Tensor]) -> StepTimes:
+    def step(self, model, microbatches: Sequence[Microbatch], train: Callable[[Microbatch], torch.Tensor],
+             tag: MinibatchPosition) -> StepTimes:
         """Every microbatch through :meth:`forward_backward`, then the optimizer step that every rank takes whatever
-        its count."""
+        its count. ``tag``: which minibatch this is, checked at the step against every other rank's."""
         trainer = self.trainer
         engine = trainer.model_wrapped  # the DeepSpeedEngine
+        tag_minibatch(engine, epoch=tag.epoch, step=tag.step, label_tokens=tag.label_tokens)
         clock = StepClock()
         clock.start()
         total = torch.zeros((), device=trainer.args.device)
@@ -296,12 +313,6 @@ class PackRunner(OdcRunner):
         self.resume_dir: str | None = None
         self.position: tuple[int, int] | None = None  # (epoch, next step) after the last trained pack
         self._order: tuple[int, np.ndarray] | None = None  # (epoch, its sample order)
-        # The ds_config keeps the caller's accumulation steps (filled in by TrainingArguments); ODC marks every
-        # boundary itself, so the count is not used. Accelerate would adopt it anyway, with a "Gradient accumulation
-        # steps mismatch" warning against the trainer's 1: give it the value now.
-        ds_steps = deepspeed_config_of(trainer.args).get("gradient_accumulation_steps")
-        if isinstance(ds_steps, int):
-            trainer.accelerator.gradient_accumulation_steps = ds_steps
         self.prepare_model(trainer.model, packed_attention, loss_chunk_tokens)
 
     def prepare_model(self, model, packed_attention: bool | None, loss_chunk_tokens: int | None) -> None:
@@ -425,7 +436,8 @@ class PackRunner(OdcRunner):
         metrics = SlotMetrics()
         # Each microbatch goes through the stock training_step (its _prepare_inputs, loss context and backward), which
         # hands the Microbatch to the trainer's compute_loss.
-        times = self.step(model, self.microbatches(pack, metrics), lambda mb: stock(model, mb, num_items_in_batch))
+        times = self.step(model, self.microbatches(pack, metrics), lambda mb: stock(model, mb, num_items_in_batch),
+                          MinibatchPosition(pack.epoch, pack.step, pack.step_label_tokens))
         tokens, sq_tokens = self.pack_sampler.sampler.load(pack.sample_ids, pack.splits)
         everyone = self.meet(times, tokens, sq_tokens, pack.num_samples, payload=metrics.records)
         self.trainer.odc_step_metrics(pack, combine(everyone))

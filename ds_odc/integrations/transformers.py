@@ -44,6 +44,7 @@ from ds_odc.integrations._packs import PackLoader as _PackLoader  # noqa: F401  
 from ds_odc.integrations._runner import (BALANCER_STATE_NAME, Microbatch, PackRunner, RunsOdcSteps, StepRunner,
                                          balancer_options, deepspeed_config_of, odc_enabled, one_pack_per_step,
                                          with_split_policy)
+from ds_odc.training.kernels import training_args_for_kernels
 from ds_odc.training.attention import remember_host_boundaries
 from ds_odc.training.collate import PackedCollator
 from ds_odc.training.loss import DEFAULT_CHUNK_TOKENS
@@ -97,6 +98,7 @@ class OdcTrainer(RunsOdcSteps, Trainer):
         if odc:
             args, samples_per_rank = one_pack_per_step(args)
         user_collator = trainer_kwargs.get("data_collator", trainer_args[0] if trainer_args else None)
+        args = training_args_for_kernels(args)  # torch_compile + use_liger_kernel: Liger's layer kernels off
         super().__init__(model, args, *trainer_args, **trainer_kwargs)
         match_accelerate_backend(self.args)
         if microbatch_collator is None:

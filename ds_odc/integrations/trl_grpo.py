@@ -48,10 +48,11 @@ from ds_odc.integrations import _rollout as rollout
 from ds_odc.integrations._completions import pack_completions, packed_attention, score_completions
 from ds_odc.integrations._hf_privates import (TRL_GRPO_PRIVATES, check_trl, check_trl_instance, match_accelerate_backend,
                                               rank_local_collectives)
-from ds_odc.integrations._runner import (Microbatch, OdcRunner, RunsOdcSteps, StepRunner, balancer_options,
-                                         load_balancer_state, odc_enabled, save_balancer_state)
+from ds_odc.integrations._runner import (Microbatch, MinibatchPosition, OdcRunner, RunsOdcSteps, StepRunner,
+                                         balancer_options, load_balancer_state, odc_enabled, save_balancer_state)
 from ds_odc.integrations._stock_metrics import SlotMetrics, combine
 from ds_odc.integrations.generation import RESIDENCIES, is_odc_engine, lockstep_free
+from ds_odc.training.kernels import training_args_for_kernels
 
 __all__ = ["OdcGRPOTrainer", "RolloutRunner", "RolloutShare", "LOSS_WEIGHTS"]
 
@@ -135,6 +136,7 @@ class OdcGRPOTrainer(RunsOdcSteps, GRPOTrainer):
             raise ValueError(f"ds_odc: generation_residency must be one of {RESIDENCIES}, got {generation_residency!r}")
         if odc:
             _refuse_peft_model(model)
+        args = training_args_for_kernels(args)  # torch_compile + use_liger_kernel: Liger's layer kernels off
         super().__init__(model, reward_funcs, args, *trainer_args, **trainer_kwargs)
         match_accelerate_backend(self.args)
         if odc:
@@ -396,7 +398,8 @@ class RolloutRunner(OdcRunner):
         trainer._metrics["train"] = metrics.sink()  # TRL's loss logs here, rank-locally, by stock microbatch
         try:
             with rank_local_collectives(trainer.accelerator, on_reduce=metrics.on_reduce):
-                times = self.step(model, share, lambda mb: self._train_microbatch(model, mb))
+                times = self.step(model, share, lambda mb: self._train_microbatch(model, mb),
+                                  MinibatchPosition(None, trainer.state.global_step))
         finally:
             trainer._metrics["train"] = logged
         generation, self.generation = tuple(self.generation), [0.0, 0]

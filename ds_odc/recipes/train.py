@@ -31,6 +31,7 @@ from ds_odc.training.loss import global_mean_weight
 from ds_odc.training.metrics import StepClock, StepRecord, gather_step, summarize
 from ds_odc.training.profiling import decoder_layers, describe, profile_step
 from ds_odc.training.sequence_parallel import SequenceParallel
+from ds_odc.zero.engine import tag_minibatch
 
 __all__ = ["main", "train", "build_model", "engine_config", "draw_timeline"]
 
@@ -90,6 +91,7 @@ def train(args) -> dict | None:
         split_samples += len(batch.splits)
         # Each microbatch's loss sum times W / N is its share of the global mean over the minibatch's N label
         # tokens, however the samples are spread over ranks and microbatches (ds_odc.training.loss).
+        tag_minibatch(engine, batch)  # the step checks that every rank trains this same minibatch
         weight = global_mean_weight(batch.num_label_tokens, world)
         profiling = (profile_step(args.profile_dir, rank, decoder_layers(model), python_stacks=args.profile_python)
                      if step == args.profile_step else contextlib.nullcontext())
