@@ -58,6 +58,22 @@ def logged(trainer, key: str) -> list[float]:
 
 
 @contextlib.contextmanager
+def without_deepspeed():
+    """Build and train a trainer without DeepSpeed in a process whose earlier trainers used it: the float64 reference
+    runs (DeepSpeed refuses float64) train through DDP. Accelerate leaves ``ACCELERATE_USE_DEEPSPEED`` set (a new
+    Trainer would pick a default DeepSpeed plugin up from it) and transformers may still hold the last ZeRO-3 config
+    (models would be built under zero.Init, in fp32): both are cleared while the block runs."""
+    from transformers.integrations.deepspeed import unset_hf_deepspeed_config
+    saved = os.environ.pop("ACCELERATE_USE_DEEPSPEED", None)
+    unset_hf_deepspeed_config()
+    try:
+        yield
+    finally:
+        if saved is not None:
+            os.environ["ACCELERATE_USE_DEEPSPEED"] = saved
+
+
+@contextlib.contextmanager
 def shared_tmpdir(prefix: str):
     """One temporary folder for all ranks (rank 0 makes it), removed when every rank is done with it."""
     import torch.distributed as dist
