@@ -16,14 +16,19 @@ launch, two distances of the same kind (the same norm, the same scale):
 
 and passes when::
 
-    measured <= FACTOR * reference + FLOOR
+    measured <= FACTOR * reference + ulps * eps
 
 ``FACTOR`` = 4: two fp32 approximations of one float64 answer, each off by about the reference distance, differ by
 up to about twice it (by about 1.4 times it on average when their roundings are independent); 4 leaves room for the
 run under test rounding less luckily than the reference does on some machine, and the measured ratio
 measured / reference of every test in the suite stayed below 2.5 on AVX-512, AVX2 and scalar kernels (most are
-about 1). ``FLOOR`` is one unit of roundoff of the compared dtype (1.2e-7 in fp32): a quantity that the reference
-happens to round exactly may still differ by one unit in another order.
+about 1). The floor is in units of roundoff ``eps`` of the compared dtype (1.2e-7 in fp32), for a reference that
+happens to round exactly: one unit (``ulps=1``) for distances between whole parameter sets, which pool the rounding
+of many elements; ``SCALAR_ULPS`` = 16 for single logged values (a loss, a gradient norm), which are one draw of
+their rounding each: ODC sums a norm's squares in fp32 (up to log2(n) ~ 16 roundings over the model's elements) where
+stock sums them in float64, and TRL logs every value in fp32, so the float64 run's values are rounded too. The
+logged values of one run share one reference, the largest distance of any of them from float64 (see
+:func:`compare_logs`).
 
 What a real error gives: a missing microbatch or a wrong loss weight changes a step's gradient by a fraction of
 itself, so the parameters by a fraction of how far the steps moved them (1e-2 of their norm or more in every test):
@@ -47,12 +52,13 @@ import os
 from dataclasses import asdict, dataclass
 
 FACTOR = 4.0
+SCALAR_ULPS = 16.0
 FP32_EPS = 2.0 ** -23  # torch.finfo(torch.float32).eps
 BF16_EPS = 2.0 ** -7  # torch.finfo(torch.bfloat16).eps
 LIMIT_IN_EPS = 1000.0
 
-__all__ = ["BF16_EPS", "FACTOR", "FP32_EPS", "Comparison", "assert_caught", "assert_within", "compare",
-           "plant_wrong_weight"]
+__all__ = ["BF16_EPS", "FACTOR", "FP32_EPS", "SCALAR_ULPS", "Comparison", "assert_caught", "assert_within", "compare",
+           "compare_logs", "logged_distance", "plant_wrong_weight"]
 
 
 @dataclass(frozen=True)
@@ -62,12 +68,13 @@ class Comparison:
     what: str
     measured: float
     reference: float
-    eps: float = FP32_EPS  # one unit of roundoff of the compared dtype: the floor
+    eps: float = FP32_EPS  # one unit of roundoff of the compared dtype
+    ulps: float = 1.0  # the floor, in units of eps
     limit: float | None = None  # the largest reference that is still rounding (default LIMIT_IN_EPS * eps)
 
     @property
     def bound(self) -> float:
-        return FACTOR * self.reference + self.eps
+        return FACTOR * self.reference + self.ulps * self.eps
 
     @property
     def reference_limit(self) -> float:
@@ -79,18 +86,50 @@ class Comparison:
 
     def __str__(self) -> str:
         text = (f"{self.what}: measured {self.measured:.4g}, reference {self.reference:.4g}, bound {self.bound:.4g} "
-                f"(= {FACTOR:g} x reference + {self.eps:.3g})")
+                f"(= {FACTOR:g} x reference + {self.ulps:g} x {self.eps:.3g})")
         if self.reference > self.reference_limit:
             text += (f"; the reference is above {self.reference_limit:.3g}, more than rounding: the float64 "
                      "computation is not the same computation")
         return text
 
 
-def compare(what: str, measured: float, reference: float, *, eps: float = FP32_EPS,
+def compare(what: str, measured: float, reference: float, *, eps: float = FP32_EPS, ulps: float = 1.0,
             limit: float | None = None) -> Comparison:
     """A :class:`Comparison`; NaN counts as infinitely far (a NaN on one side only is a failure)."""
     measured, reference = (math.inf if math.isnan(x) else float(x) for x in (measured, reference))
-    return Comparison(what, measured, reference, eps, limit)
+    return Comparison(what, measured, reference, eps, ulps, limit)
+
+
+def logged_distance(logs: list[dict], reference: list[dict], key: str, scale: float = 0.0) -> float:
+    """The largest relative difference ``|a - b| / max(|b|, scale)`` of the value ``key`` over the steps (entries)
+    that log it; a step that logs it on one side only, or NaN on one side only, counts as infinitely far."""
+    if len(logs) != len(reference) or not logs:
+        return math.inf
+    far = 0.0
+    for mine, theirs in zip(logs, reference):
+        if key not in mine and key not in theirs:
+            continue
+        if key not in mine or key not in theirs:
+            return math.inf
+        a, b = mine[key], theirs[key]
+        if isinstance(b, float) and math.isnan(b):
+            far = far if isinstance(a, float) and math.isnan(a) else math.inf
+            continue
+        far = max(far, abs(a - b) / max(abs(b), scale, 1e-300))
+    return far
+
+
+def compare_logs(what: str, logs: list[dict], stock: list[dict], fp64: list[dict],
+                 scales: dict[str, float] | None = None, default_scale: float = 0.0) -> list[Comparison]:
+    """Every value ``logs`` or ``stock`` log, at every step: ``logs`` (the run under test) against ``stock``, with
+    one reference for all, the largest distance of any of stock's logged values from ``fp64``'s (a single value's
+    rounding is one draw, which may happen to be 0). ``scales``: per key, the smallest size a difference is taken
+    relative to (``default_scale`` for the others), for values that sit near 0."""
+    scales = scales or {}
+    keys = sorted(set().union(*logs, *stock))
+    reference = max(logged_distance(stock, fp64, k, scales.get(k, default_scale)) for k in keys)
+    return [compare(f"{what}: logged {k!r}", logged_distance(logs, stock, k, scales.get(k, default_scale)),
+                    reference, ulps=SCALAR_ULPS) for k in keys]
 
 
 def assert_within(*comparisons: Comparison) -> None:

@@ -11,13 +11,12 @@ a wrong weight lands orders of magnitude above the bound (test_a_missing_microba
 
 from __future__ import annotations
 
-import math
 import os
 
 import pytest
 
 from _support.launch import launch
-from _support.tolerance import assert_caught, assert_within, compare
+from _support.tolerance import assert_caught, assert_within, compare, compare_logs
 
 pytest.importorskip("trl")
 pytestmark = pytest.mark.slow
@@ -39,38 +38,14 @@ def three_ranks():
     return launch(WORKER, 3, ["equivalence"], timeout=900).check().result
 
 
-def logged_distance(logs: list[dict], reference: list[dict], key: str) -> float:
-    """The largest relative difference of a logged value over the steps that log it (see METRIC_SCALE); a step that
-    logs it on one side only, or NaN on one side only, counts as infinitely far."""
-    assert len(logs) == len(reference) >= 4, (len(logs), len(reference))
-    far = 0.0
-    for mine, theirs in zip(logs, reference):
-        if key not in mine and key not in theirs:
-            continue
-        if key not in mine or key not in theirs:
-            return math.inf
-        a, b = mine[key], theirs[key]
-        if isinstance(b, float) and math.isnan(b):
-            far = far if isinstance(a, float) and math.isnan(a) else math.inf
-            continue
-        far = max(far, abs(a - b) / max(abs(b), 1.0 if key == "loss" else METRIC_SCALE))
-    return far
-
-
 def comparisons(result: dict, variant: str) -> list:
-    """ODC (``variant``) against stock: parameters after the steps, and every logged value at every step. The
-    reference distance is stock's from float64: for the parameters, theirs; for a logged value, the largest of all
-    logged values over all steps, as one scalar's rounding is a single draw that may happen to be 0 (TRL logs in fp32,
-    so the float64 run's values are rounded to fp32 as well)."""
+    """ODC (``variant``) against stock: parameters after the steps, and every logged value at every step, each with
+    stock's distance from float64 as the reference distance."""
     logs, params = result["logs"], result["param_diff"]
-    out = [compare(f"{variant}: parameters (max over tensors of |odc - stock| / |stock|)", params[variant],
-                   params["fp64"])]
-    keys = sorted(set().union(*logs[variant], *logs["stock"]))
-    reference = max(logged_distance(logs["stock"], logs["fp64"], key) for key in keys)
-    for key in keys:
-        out.append(compare(f"{variant}: logged {key!r}", logged_distance(logs[variant], logs["stock"], key),
-                           reference))
-    return out
+    return [compare(f"{variant}: parameters (max over tensors of |odc - stock| / |stock|)", params[variant],
+                    params["fp64"]),
+            *compare_logs(variant, logs[variant], logs["stock"], logs["fp64"], scales={"loss": 1.0},
+                          default_scale=METRIC_SCALE)]
 
 
 def check_case(result: dict, variant: str) -> None:
