@@ -53,6 +53,21 @@ def training_args(output_dir: str, odc: bool, **overrides):
     return TrainingArguments(**kwargs)
 
 
+def steps(result: dict, run: str, keys=("loss", "grad_norm")) -> list[dict]:
+    """The values ``run`` logged in a worker's result (``result[key][run]``: one list per key), one dict per step."""
+    return [dict(zip(keys, values)) for values in zip(*(result[k][run] for k in keys))]
+
+
+def equal_to(result: dict, run: str, stock: str = "stock") -> list:
+    """The comparisons of ``run`` with ``stock`` in a worker's result (tests/_support/tolerance.py): the parameters
+    after training (``result["param_diff"]``: each run's distance from ``stock``) and the loss and gradient norm of
+    every step, each against the distance of ``stock`` from the float64 run ``fp64``."""
+    from _support.tolerance import compare, compare_logs
+    return [compare(f"{run}: parameters (max over tensors of |{run} - {stock}| / |{stock}|)",
+                    result["param_diff"][run], result["param_diff"]["fp64"]),
+            *compare_logs(run, steps(result, run), steps(result, stock), steps(result, "fp64"))]
+
+
 def logged(trainer, key: str) -> list[float]:
     return [entry[key] for entry in trainer.state.log_history if key in entry and "train_runtime" not in entry]
 
