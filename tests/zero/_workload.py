@@ -75,10 +75,11 @@ def client_optimizer(params):
 
 
 def reference_run(model, steps: int, num_samples: int, clip: float = 0.0, per_sample_mean: bool = False,
-                  dtype: torch.dtype = torch.float32, optimizer: str = "sgd"):
+                  dtype: torch.dtype = torch.float32, optimizer: str = "sgd", sample_losses: list | None = None):
     """Plain PyTorch, one process: the gradient of the global token-mean loss of every minibatch (or, with
     ``per_sample_mean``, of the mean over samples of each sample's token mean: stock DeepSpeed's GAS semantics).
-    ``dtype=torch.float64`` gives the exact answer both distributed runs are rounding approximations of."""
+    ``dtype=torch.float64`` gives the exact answer both distributed runs are rounding approximations of.
+    ``sample_losses``: a list that gets each sample's token-mean loss, step by step, in sample order."""
     model = copy.deepcopy(model).to(DEVICE, dtype)
     params = [p for p in model.parameters() if p.requires_grad]
     opt = client_optimizer(params) if optimizer == "sgd" else torch.optim.AdamW(params, **ADAMW)
@@ -95,11 +96,22 @@ def reference_run(model, steps: int, num_samples: int, clip: float = 0.0, per_sa
                                                      s[0, 1:], reduction="sum") / norm
             loss.backward()
             total += loss.item()
+            if sample_losses is not None:
+                sample_losses.append(loss.item() * norm / (s.numel() - 1))
         if clip > 0:
             torch.nn.utils.clip_grad_norm_(params, clip)
         opt.step()
         losses.append(total)
     return model, losses
+
+
+def reference_and_rounding(model, steps: int, num_samples: int, **kwargs):
+    """:func:`reference_run` in fp32, and how far fp32 rounding moved it: its distance from the same run in float64
+    (max over tensors, relative), the reference distance of tests/_support/tolerance.py for a comparison with it.
+    Returns (fp32 model, fp32 losses, that distance)."""
+    ref, losses = reference_run(model, steps, num_samples, **kwargs)
+    exact, _ = reference_run(model, steps, num_samples, **{**kwargs, "dtype": torch.float64})
+    return ref, losses, max_rel_diff(full_params(ref, torch.float64), full_params(exact, torch.float64))
 
 
 def _width(dtype: torch.dtype) -> int:
