@@ -144,6 +144,30 @@ def flat(tensors) -> torch.Tensor:
     return torch.cat([t.detach().float().reshape(-1).cpu() for t in tensors])
 
 
+def api_comparisons(diffs: dict[str, float], rounding: dict[str, float], what: str = "") -> list:
+    """The comparisons (tests/_support/tolerance.py) of :func:`odc_vs_stock`'s distances, each against stock's own
+    rounding of its kind of quantity (``worker.stock_rounding``): gradients, parameters (and the 16-bit save of
+    them), logits, losses; the greedy tokens must agree exactly."""
+    from _support.tolerance import SCALAR_ULPS, compare
+
+    def kind(key: str) -> tuple[str | None, float]:
+        if key.startswith("tokens"):
+            return None, 1.0
+        if key.startswith(("loss", "grad_norm")):
+            return ("loss" if key.startswith("loss") else "grads"), SCALAR_ULPS
+        for name, prefixes in (("grads", ("full_grads", "local_grads", "averaged", "slow_", "grad_partitions")),
+                               ("params", ("params_after", "saved_16bit")), ("logits", ("logits",))):
+            if key.startswith(prefixes):
+                return name, 1.0
+        raise KeyError(f"{key}: which kind of quantity (gradients, parameters, logits, losses) is it?")
+
+    out = []
+    for key, measured in diffs.items():
+        name, ulps = kind(key)
+        out.append(compare(f"{what}{key}: odc vs stock", measured, rounding[name] if name else 0.0, ulps=ulps))
+    return out
+
+
 def odc_vs_stock(sections, initial: torch.Tensor) -> dict:
     """Run every section (a function of ``odc``, returning named tensors) with ODC off and on: per name, ODC's
     distance from stock, and under ``stock_moved`` how far each ``params_after*`` result of stock moved from

@@ -72,6 +72,44 @@ def train_uneven(engine, counts, steps, managed=False, step_offset=0, stall=None
     return losses
 
 
+def stock_rounding() -> dict[str, float]:
+    """How far fp32 rounding moves stock ZeRO-3's gradients, parameters, logits and losses of the tiny model on this
+    machine's kernels: one drop-in step (GAS 2, SGD, every rank) against one process computing the same minibatch in
+    float64 (relative distances of whole flat vectors; for the losses, the largest over this rank's microbatches).
+    The reference distances (tests/_support/tolerance.py) of API sequences that have no float64 counterpart
+    (dropin_worker.py, deepspeed_apis_worker.py), by kind of quantity."""
+    from deepspeed.utils import safe_get_full_grad
+    rank, world = rank_world()
+    gas = 2
+    samples = minibatch(0, gas * world)
+    prompt = minibatch(7, world)[rank][:, :6]
+    engine = build(tiny_llama(), ds_config(None, gas=gas, optimizer="sgd"))
+    exact = tiny_llama().to(_workload.DEVICE, torch.float64)
+    with torch.no_grad():
+        logits = [engine(input_ids=prompt).logits, exact(input_ids=prompt).logits]
+    losses = []
+    for k in range(gas):
+        s = samples[k * world + rank]
+        loss = engine(input_ids=s, labels=s).loss
+        engine.backward(loss)
+        losses.append(loss.item())
+        if k == gas - 1:
+            grads = torch.cat([safe_get_full_grad(p).reshape(-1) for p in engine.module.parameters()])
+        engine.step()
+    exact_losses = []
+    for i, s in enumerate(samples):  # stock's weight: the mean over samples of each sample's token mean
+        loss = torch.nn.functional.cross_entropy(exact(input_ids=s).logits[0, :-1], s[0, 1:])
+        (loss / len(samples)).backward()
+        if i % world == rank:
+            exact_losses.append(loss.item())
+    exact_grads = torch.cat([p.grad.reshape(-1) for p in exact.parameters()])
+    client_optimizer(list(exact.parameters())).step()
+    params = [torch.cat([t.reshape(-1).double() for t in full_params(m, torch.float64).values()])
+              for m in (engine, exact)]
+    return {"grads": rel_diff(grads, exact_grads), "params": rel_diff(*params), "logits": rel_diff(*logits),
+            "loss": max(abs(a - b) / abs(b) for a, b in zip(losses, exact_losses))}
+
+
 def scenario_equal(args):
     """Drop-in semantics: every rank runs the configured GAS; ODC must equal stock ZeRO-3 up to fp32 rounding.
     Both are also compared, parameter by parameter, with a single-process reference of the same minibatches in
