@@ -59,13 +59,16 @@ def steps(result: dict, run: str, keys=("loss", "grad_norm")) -> list[dict]:
 
 
 def equal_to(result: dict, run: str, stock: str = "stock") -> list:
-    """The comparisons of ``run`` with ``stock`` in a worker's result (tests/_support/tolerance.py): the parameters
-    after training (``result["param_diff"]``: each run's distance from ``stock``) and the loss and gradient norm of
-    every step, each against the distance of ``stock`` from the float64 run ``fp64``."""
-    from _support.tolerance import compare, compare_logs
-    return [compare(f"{run}: parameters (max over tensors of |{run} - {stock}| / |{stock}|)",
-                    result["param_diff"][run], result["param_diff"]["fp64"]),
-            *compare_logs(run, steps(result, run), steps(result, stock), steps(result, "fp64"))]
+    """The comparisons of ``run`` with ``stock`` in a worker's result (tests/_support/tolerance.py): the loss and
+    gradient norm of every step, against the distance of ``stock``'s from those of the float64 run ``fp64``.
+
+    Not the parameters: these runs train with AdamW, whose update does not scale with the gradient, so the rounding
+    of a coordinate whose gradient nearly cancels becomes an update of the learning rate's order, one coordinate at a
+    time. How far a run's parameters land from float64 is then a heavy-tailed draw, whichever run is the legitimate
+    one (measured on one tensor: stock 10x further than ODC with AVX-512 kernels, ODC 8x further than stock with the
+    scalar ones). The SGD runs of tests/zero and tests/integrations/test_trl_grpo.py compare parameters."""
+    from _support.tolerance import compare_logs
+    return compare_logs(run, steps(result, run), steps(result, stock), steps(result, "fp64"))
 
 
 def logged(trainer, key: str) -> list[float]:

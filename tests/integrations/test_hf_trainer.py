@@ -13,7 +13,7 @@ import pytest
 
 from _hf_workload import equal_to
 from _support.launch import launch
-from _support.tolerance import assert_caught, assert_within, compare, compare_logs
+from _support.tolerance import assert_caught, assert_within, compare_logs
 
 WORKER = os.path.join(os.path.dirname(__file__), "hf_worker.py")
 
@@ -41,8 +41,8 @@ def test_odc_lb_mini_matches_stock_zero3_loss_curve(equivalence):
 
 def test_a_wrong_weight_is_caught(equivalence):
     """The planted error: OdcTrainer again with one microbatch of rank 0 weighted 1.5 (its gradient counted half
-    again) lands far outside the parameters' bound."""
-    assert_caught(equal_to(equivalence, "planted")[0])
+    again) lands far outside the bound of the gradient norms."""
+    assert_caught(*(c for c in equal_to(equivalence, "planted") if "grad_norm" in c.what))
 
 
 def test_packs_were_uneven(equivalence):
@@ -103,7 +103,7 @@ def test_trl_example_runs_on_cpu(tmp_path):
 def test_trl_sft_logs_equal_stock_sft_trainer():
     """OdcSFTTrainer (uneven packs) against TRL's SFTTrainer with stock ZeRO-3 and the same arguments, fed the
     minibatches in the plan's order: every metric SFTTrainer logs (loss, grad_norm, entropy, mean_token_accuracy,
-    num_tokens, ...) at every step, and the parameters after, within the bounds of tests/_support/tolerance.py."""
+    num_tokens, ...) at every step, within the bounds of tests/_support/tolerance.py."""
     pytest.importorskip("trl")
     out = launch(WORKER, 2, ["sft"], timeout=300).check().result
     assert out["optimizers"] == ["OdcOptimizer", "DeepSpeedZeroOptimizer_Stage3"]
@@ -114,6 +114,4 @@ def test_trl_sft_logs_equal_stock_sft_trainer():
     for mine, theirs in zip(odc, stock):
         assert set(mine) == set(theirs), set(mine) ^ set(theirs)
         assert {"loss", "grad_norm", "entropy", "mean_token_accuracy", "num_tokens"} <= set(mine)
-    assert_within(compare("odc: parameters (max over tensors of |odc - stock| / |stock|)", out["param_diff"]["odc"],
-                          out["param_diff"]["fp64"]),
-                  *compare_logs("odc", odc, stock, out["fp64"], default_scale=1e-6))
+    assert_within(*compare_logs("odc", odc, stock, out["fp64"], default_scale=1e-6))  # not parameters: see equal_to

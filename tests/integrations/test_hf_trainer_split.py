@@ -12,8 +12,8 @@ WORKER = os.path.join(os.path.dirname(__file__), "hf_worker.py")
 
 
 def test_split_samples_train_like_whole_ones():
-    """4 steps, AdamW: parameters, losses and gradient norms against lb-mini training every sample whole, within the
-    bounds of tests/_support/tolerance.py (the reference: lb-mini's distance from the stock Trainer in float64)."""
+    """4 steps, AdamW: losses and gradient norms against lb-mini training every sample whole, within the bounds of
+    tests/_support/tolerance.py (the reference: lb-mini's distance from the stock Trainer in float64)."""
     r = launch(WORKER, 2, ["split"], timeout=300).check().result
     assert r["attention"] == "ds_odc_sp" and r["truncated"] == 0
     assert r["split_samples"] >= 2, r  # the minibatches holding a long sample split it
