@@ -128,7 +128,7 @@ def main():
     engine.odc_test_forwards = count_forwards(engine.module)
     plan = rank_plan(rank, world)
 
-    report = {"rank": rank, "rounds": {}, "param_diff": [], "ref_rounding": [one_rounding, two_rounding],
+    report = {"rank": rank, "rounds": {}, "param_diff": [], "ref_rounding": [one_rounding, two_rounding],  # rank 0
               "reference_moved": rel_diff(flat(full_params(after_one).values()), flat(full_params(initial).values()))}
     zero_worker.CALLS["by_name"] = {}
     for phase, reference in (("initial", initial), ("after_step", after_one)):
