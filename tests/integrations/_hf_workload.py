@@ -53,8 +53,42 @@ def training_args(output_dir: str, odc: bool, **overrides):
     return TrainingArguments(**kwargs)
 
 
+def steps(result: dict, run: str, keys=("loss", "grad_norm")) -> list[dict]:
+    """The values ``run`` logged in a worker's result (``result[key][run]``: one list per key), one dict per step."""
+    return [dict(zip(keys, values)) for values in zip(*(result[k][run] for k in keys))]
+
+
+def equal_to(result: dict, run: str, stock: str = "stock") -> list:
+    """The comparisons of ``run`` with ``stock`` in a worker's result (tests/_support/tolerance.py): the loss and
+    gradient norm of every step, against the distance of ``stock``'s from those of the float64 run ``fp64``.
+
+    Not the parameters: these runs train with AdamW, whose update does not scale with the gradient, so the rounding
+    of a coordinate whose gradient nearly cancels becomes an update of the learning rate's order, one coordinate at a
+    time. How far a run's parameters land from float64 is then a heavy-tailed draw, whichever run is the legitimate
+    one (measured on one tensor: stock 10x further than ODC with AVX-512 kernels, ODC 8x further than stock with the
+    scalar ones). The SGD runs of tests/zero and tests/integrations/test_trl_grpo.py compare parameters."""
+    from _support.tolerance import compare_logs
+    return compare_logs(run, steps(result, run), steps(result, stock), steps(result, "fp64"))
+
+
 def logged(trainer, key: str) -> list[float]:
     return [entry[key] for entry in trainer.state.log_history if key in entry and "train_runtime" not in entry]
+
+
+@contextlib.contextmanager
+def without_deepspeed():
+    """Build and train a trainer without DeepSpeed in a process whose earlier trainers used it: the float64 reference
+    runs (DeepSpeed refuses float64) train through DDP. Accelerate leaves ``ACCELERATE_USE_DEEPSPEED`` set (a new
+    Trainer would pick a default DeepSpeed plugin up from it) and transformers may still hold the last ZeRO-3 config
+    (models would be built under zero.Init, in fp32): both are cleared while the block runs."""
+    from transformers.integrations.deepspeed import unset_hf_deepspeed_config
+    saved = os.environ.pop("ACCELERATE_USE_DEEPSPEED", None)
+    unset_hf_deepspeed_config()
+    try:
+        yield
+    finally:
+        if saved is not None:
+            os.environ["ACCELERATE_USE_DEEPSPEED"] = saved
 
 
 @contextlib.contextmanager

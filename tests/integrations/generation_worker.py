@@ -24,7 +24,7 @@ sys.path.insert(0, os.path.join(HERE, "..", "zero"))
 import _workload  # noqa: E402
 import worker as zero_worker  # noqa: E402
 from _rl_workload import prompt_batch, tiny_qwen2  # noqa: E402
-from _workload import ds_config, flat, full_params, max_rel_diff, reference_run, rel_diff  # noqa: E402
+from _workload import ds_config, flat, full_params, max_rel_diff, reference_and_rounding, rel_diff  # noqa: E402
 
 RESIDENCIES = ("block", "full")
 
@@ -120,15 +120,15 @@ def main():
     counts = [3, 1] if world == 2 else [2, 0, 1]  # training microbatches per rank (one sample each)
     model = tiny_qwen2()
     initial = copy.deepcopy(model).to(_workload.DEVICE).eval()
-    after_one, _ = reference_run(model, 1, sum(counts))
-    after_two, _ = reference_run(model, 2, sum(counts))
+    after_one, _, one_rounding = reference_and_rounding(model, 1, sum(counts))
+    after_two, _, two_rounding = reference_and_rounding(model, 2, sum(counts))
     after_one.eval()
     engine = zero_worker.build(model, ds_config(True, managed=False, optimizer="sgd"))
     stock_engine = zero_worker.build(tiny_qwen2(), ds_config(None, optimizer="sgd"))
     engine.odc_test_forwards = count_forwards(engine.module)
     plan = rank_plan(rank, world)
 
-    report = {"rank": rank, "rounds": {}, "param_diff": [],
+    report = {"rank": rank, "rounds": {}, "param_diff": [], "ref_rounding": [one_rounding, two_rounding],  # rank 0
               "reference_moved": rel_diff(flat(full_params(after_one).values()), flat(full_params(initial).values()))}
     zero_worker.CALLS["by_name"] = {}
     for phase, reference in (("initial", initial), ("after_step", after_one)):

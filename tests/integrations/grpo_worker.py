@@ -3,11 +3,14 @@
 Both trainers get the same scripted completions (TRL's ``rollout_func``), so any difference comes from how the
 step is trained: ODC re-plans every step's rollouts across ranks with LB-Mini (uneven microbatch counts), in
 padding-free rows or in padded microbatches, and must still give TRL's loss, parameters and logged metrics. fp32,
-SGD, a tiny Qwen2 loaded from a local folder (nothing downloaded).
+SGD, a tiny Qwen2 loaded from a local folder (nothing downloaded). Stock also trains each case in float64 (on the
+same ranks through DDP, as DeepSpeed refuses float64): how far fp32 rounding moves stock itself is the reference
+distance of the bound (tests/_support/tolerance.py). ``--planted``: one more ODC run of the first case with one
+microbatch missing from its gradient (the planted-error check).
 
-Usage: grpo_worker.py equivalence [--cases a,b] [--refusals] [--resume] | gpu; rank 0 prints one ODC_RESULT line.
-With ODC_TEST_CUDA=1 (tests/gpu/test_grpo_gpu.py) the ranks train on CUDA: one GPU each, or all on GPU 0 over gloo
-(DS_ODC_SHARED_GPU=1).
+Usage: grpo_worker.py equivalence [--cases a,b] [--refusals] [--resume] [--planted] | gpu; rank 0 prints one
+ODC_RESULT line. With ODC_TEST_CUDA=1 (tests/gpu/test_grpo_gpu.py) the ranks train on CUDA: one GPU each, or all on
+GPU 0 over gloo (DS_ODC_SHARED_GPU=1).
 """
 
 from __future__ import annotations
@@ -23,13 +26,15 @@ from ds_odc.training.distributed import shutdown_and_exit
 HERE = os.path.dirname(__file__)
 sys.path.insert(0, HERE)
 sys.path.insert(0, os.path.join(HERE, "..", "zero"))
-from _hf_workload import ds_config, logged, shared_tmpdir  # noqa: E402
+from _hf_workload import ds_config, logged, shared_tmpdir, without_deepspeed  # noqa: E402
+from _support.tolerance import plant_wrong_weight  # noqa: E402
 from _rl_workload import char_tokenizer, letter_reward, prompt_dataset, scripted_rollout, tiny_qwen2  # noqa: E402
 from _workload import flat, full_params, max_rel_diff, rel_diff  # noqa: E402
 from worker import init_ranks  # noqa: E402  (CPU ranks, or GPU ranks under tests/gpu: one GPU each, or all on one)
 
 MAX_NEW = 48
-VARIANTS = ("stock", "padded", "packed")  # stock TRL; ODC with padded microbatches; ODC padding-free
+# stock TRL; ODC with padded microbatches; ODC padding-free; stock TRL in float64 (DDP), the reference distance's end
+VARIANTS = ("stock", "padded", "packed", "fp64")
 
 
 def save_model(folder: str, hidden_size: int = 32) -> str:
@@ -67,12 +72,18 @@ def grpo_config(output_dir: str, odc: bool, **overrides):
 
 
 def train(model_path: str, out: str, variant: str, resume: str | None = None, odc_kwargs: dict | None = None,
-          **overrides) -> dict:
+          plant: float | None = None, **overrides) -> dict:
+    """``variant``: see VARIANTS; ``plant``: the first microbatch of rank 0 weighted by it (a planted error)."""
+    import torch
     from trl import GRPOTrainer
 
     from ds_odc.integrations import match_accelerate_backend
     from ds_odc.integrations.trl_grpo import OdcGRPOTrainer
-    config = grpo_config(out, odc=variant != "stock", **overrides)
+    if variant == "fp64":  # stock in float64 through DDP (DeepSpeed refuses float64)
+        with without_deepspeed():
+            return train(model_path, out, "stock", resume, odc_kwargs, plant, deepspeed=None,
+                         model_init_kwargs={"dtype": torch.float64}, **overrides)
+    config = grpo_config(out, odc=variant in ("padded", "packed"), **overrides)
     kwargs = dict(reward_funcs=letter_reward, args=config, train_dataset=prompt_dataset(64),
                   processing_class=char_tokenizer(), rollout_func=scripted_rollout(MAX_NEW))
     if variant == "stock":
@@ -84,9 +95,12 @@ def train(model_path: str, out: str, variant: str, resume: str | None = None, od
         odc_kwargs = {"balancer_cost": QuadraticCost(a=1.0, b=0.1, c=0.0), **(odc_kwargs or {})}
         trainer = OdcGRPOTrainer(model_path, padding_free=variant == "packed",
                                  max_tokens_per_microbatch=64 if variant == "padded" else 80, **odc_kwargs, **kwargs)
+    if plant is not None:
+        plant_wrong_weight(trainer.accelerator, plant)
     trainer.train(resume_from_checkpoint=resume)
-    return {"loss": logged(trainer, "loss"), "params": full_params(trainer.model_wrapped),
-            "optimizer": type(trainer.model_wrapped.optimizer).__name__,
+    return {"loss": logged(trainer, "loss"), "params": full_params(trainer.model_wrapped, torch.float64),
+            "optimizer": type(getattr(trainer.model_wrapped, "optimizer", trainer.optimizer)).__name__,
+            "dtype": str(next(trainer.model.parameters()).dtype),
             "microbatches": list(getattr(trainer, "odc_microbatch_history", [])),
             "plans": [[step, mbs] for step, mbs in getattr(trainer, "odc_plan_history", [])],
             "logs": [e for e in trainer.state.log_history if "loss" in e]}
@@ -125,17 +139,21 @@ def scenario_equivalence(args):
         out = {"world": dist.get_world_size(), "cases": {}}
         for name in args.cases.split(","):
             runs = {v: train(model_path, f"{tmp}/{name}-{v}", v, **CASES[name]) for v in args.variants.split(",")}
+            if args.planted and name == args.cases.split(",")[0]:  # the first microbatch of rank 0 left out
+                runs["planted"] = train(model_path, f"{tmp}/{name}-planted", "packed", plant=0.0, **CASES[name])
             stock = runs["stock"]
             out["cases"][name] = {
                 "optimizers": {v: r["optimizer"] for v, r in runs.items()},
+                "dtypes": {v: r["dtype"] for v, r in runs.items()},
                 "logs": {v: trl_logs(r) for v, r in runs.items()},
                 "loss_diff": {v: rel_loss_diff(r["loss"], stock["loss"]) for v, r in runs.items()},
+                # every run's distance from stock; the fp64 run's is stock's own rounding, the reference distance
                 "param_diff": {v: max_rel_diff(r["params"], stock["params"]) for v, r in runs.items()},
                 "stock_moved": rel_diff(flat(initial.values()), flat(stock["params"].values())),  # training did move
                 "microbatches": {v: r["microbatches"] for v, r in runs.items() if v != "stock"},
             }
             if name == args.cases.split(",")[0]:
-                logs = runs[args.variants.split(",")[-1]]["logs"]
+                logs = runs[[v for v in args.variants.split(",") if v in ("padded", "packed")][-1]]["logs"]
                 out["log_keys"] = sorted(set().union(*logs))  # the steps without generation log no rewards
                 out["last_log"] = {k: v for k, v in logs[-1].items() if k.startswith("odc/")}
         if args.refusals:
@@ -234,6 +252,7 @@ def main():
     parser.add_argument("--variants", default=",".join(VARIANTS))
     parser.add_argument("--refusals", action="store_true")
     parser.add_argument("--resume", action="store_true")
+    parser.add_argument("--planted", action="store_true", help="an ODC run of the first case, a microbatch left out")
     parser.add_argument("--local_rank", type=int, default=None)
     args = parser.parse_args()
     init_ranks(timeout_s=120)

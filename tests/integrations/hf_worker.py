@@ -17,12 +17,19 @@ from ds_odc.training.distributed import shutdown_and_exit
 sys.path.insert(0, os.path.dirname(__file__))
 sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", "zero"))
 from worker import init_ranks  # noqa: E402  (CPU ranks, or GPU ranks under tests/gpu)
-from _hf_workload import logged, shared_tmpdir, tiny_llama, token_dataset, training_args  # noqa: E402
+from _hf_workload import (logged, shared_tmpdir, tiny_llama, token_dataset, training_args,  # noqa: E402
+                          without_deepspeed)
+from _support.tolerance import plant_wrong_weight  # noqa: E402
+
+CPU = os.environ.get("ODC_TEST_CUDA") != "1"
 
 
 def scenario_equivalence(tmp: str):
     """Same global minibatches, three ways: OdcTrainer with ODC + LB-Mini (uneven packs), the stock Trainer with
-    stock ZeRO-3 (one sample per microbatch, GAS = samples per rank), and OdcTrainer with ODC off (must be stock)."""
+    stock ZeRO-3 (one sample per microbatch, GAS = samples per rank), and OdcTrainer with ODC off (must be stock).
+    On CPU ranks also: the stock Trainer in float64 through DDP (DeepSpeed refuses float64), whose distance from
+    stock is the reference distance of the bounds (tests/_support/tolerance.py), and OdcTrainer again with one
+    microbatch weighted 1.5 instead of 1 (the planted error those bounds must catch)."""
     from transformers import Trainer
 
     from ds_odc.training.collate import PackedCollator
@@ -34,11 +41,15 @@ def scenario_equivalence(tmp: str):
     per_device, gas, steps = 2, 2, 4
     data = token_dataset(per_device * gas * world * steps)
     base = tiny_llama()
-    models = {name: copy.deepcopy(base) for name in ("odc", "stock", "odc_off")}  # before any TrainingArguments
+    models = {name: copy.deepcopy(base) for name in ("odc", "stock", "odc_off", "planted")}  # before TrainingArguments
+    models["fp64"] = copy.deepcopy(base).double()
 
-    odc = OdcTrainer(models["odc"], training_args(f"{tmp}/odc", odc=True, per_device_train_batch_size=per_device,
-                                                  gradient_accumulation_steps=gas),
-                     train_dataset=data, max_tokens_per_microbatch=48, balancer_cost="tokens")  # uneven packs
+    def odc_trainer(name: str) -> OdcTrainer:
+        return OdcTrainer(models[name], training_args(f"{tmp}/{name}", odc=True, per_device_train_batch_size=per_device,
+                                                      gradient_accumulation_steps=gas),
+                          train_dataset=data, max_tokens_per_microbatch=48, balancer_cost="tokens")  # uneven packs
+
+    odc = odc_trainer("odc")
     odc.train()
 
     # The stock Trainer gets the epoch's minibatches in LB-Mini's global order, one sample per microbatch:
@@ -54,14 +65,24 @@ def scenario_equivalence(tmp: str):
     off = OdcTrainer(models["odc_off"], training_args(f"{tmp}/off", odc=False, **stock_args),
                      train_dataset=ordered, data_collator=PackedCollator())
     off.train()
+    fp64 = planted = None
+    if CPU:
+        with without_deepspeed():
+            fp64 = Trainer(models["fp64"], training_args(f"{tmp}/fp64", odc=False, deepspeed=None, **stock_args),
+                           train_dataset=ordered, data_collator=PackedCollator())
+            fp64.train()
+        planted = odc_trainer("planted")
+        plant_wrong_weight(planted.accelerator, 1.5)
+        planted.train()
 
     counts = [[entry.get(f"odc/microbatches_rank{r}") for r in range(world)] for entry in odc.state.log_history
               if "odc/bubble" in entry]
     if dist.get_rank() == 0:
+        runs = {"odc": odc, "stock": stock, "odc_off": off, "fp64": fp64, "planted": planted}
         emit({
-            "loss": {"odc": logged(odc, "loss"), "stock": logged(stock, "loss"), "odc_off": logged(off, "loss")},
-            "grad_norm": {"odc": logged(odc, "grad_norm"), "stock": logged(stock, "grad_norm"),
-                          "odc_off": logged(off, "grad_norm")},
+            "loss": {k: logged(t, "loss") for k, t in runs.items() if t is not None},
+            "grad_norm": {k: logged(t, "grad_norm") for k, t in runs.items() if t is not None},
+            "fp64_run": [str(next(fp64.model.parameters()).dtype), type(fp64.optimizer).__name__] if fp64 else None,
             "bubble": logged(odc, "odc/bubble"),
             "samples_per_second": logged(odc, "odc/samples_per_second"),
             "microbatch_counts": counts,
@@ -126,7 +147,8 @@ def pair_dataset(n: int, seed: int = 0):
 
 def scenario_sft(tmp: str):
     """TRL's SFTTrainer, stock ZeRO-3, against OdcSFTTrainer (ODC + LB-Mini, uneven packs), same arguments, stock fed
-    the minibatches in the plan's order: every metric SFTTrainer logs, at every step."""
+    the minibatches in the plan's order: every metric SFTTrainer logs, at every step. On CPU ranks stock also trains
+    in float64 through DDP: the reference distance (tests/_support/tolerance.py)."""
     import torch.distributed as dist
     from trl import SFTConfig, SFTTrainer
 
@@ -139,15 +161,15 @@ def scenario_sft(tmp: str):
     data = pair_dataset(64)
     base = tiny_llama(vocab=len(tok))
     models = {name: copy.deepcopy(base) for name in ("odc", "stock")}
+    models["fp64"] = copy.deepcopy(base).double()
 
     def config(name: str, odc: bool, **extra):
-        return SFTConfig(output_dir=f"{tmp}/{name}", per_device_train_batch_size=2, gradient_accumulation_steps=2,
-                         max_steps=4, learning_rate=1e-3, lr_scheduler_type="constant", warmup_steps=0,
-                         weight_decay=0.0, max_grad_norm=1.0, logging_steps=1, save_strategy="no", report_to=[],
-                         use_cpu=os.environ.get("ODC_TEST_CUDA") != "1", optim="adamw_torch", deepspeed=ds_config(odc),
-                         seed=0, disable_tqdm=True,
-                         dataloader_num_workers=0, max_length=None, padding_free=True, bf16=False,
-                         gradient_checkpointing=False, **extra)
+        return SFTConfig(**{**dict(
+            output_dir=f"{tmp}/{name}", per_device_train_batch_size=2, gradient_accumulation_steps=2, max_steps=4,
+            learning_rate=1e-3, lr_scheduler_type="constant", warmup_steps=0, weight_decay=0.0, max_grad_norm=1.0,
+            logging_steps=1, save_strategy="no", report_to=[], use_cpu=CPU, optim="adamw_torch",
+            deepspeed=ds_config(odc), seed=0, disable_tqdm=True, dataloader_num_workers=0, max_length=None,
+            padding_free=True, bf16=False, gradient_checkpointing=False), **extra})
 
     odc = OdcSFTTrainer(models["odc"], config("odc", True), train_dataset=data, processing_class=tok,
                         max_tokens_per_microbatch=80, balancer_cost="tokens")
@@ -157,13 +179,21 @@ def scenario_sft(tmp: str):
                        train_dataset=data.select(order), processing_class=tok)
     match_accelerate_backend(stock.args)
     stock.train()
+    trainers = {"odc": odc, "stock": stock}
+    if CPU:
+        with without_deepspeed():
+            trainers["fp64"] = SFTTrainer(models["fp64"], config("fp64", False, train_sampling_strategy="sequential",
+                                                                 deepspeed=None),
+                                          train_dataset=data.select(order), processing_class=tok)
+            trainers["fp64"].train()
 
     def logs(trainer):
         return [{k: v for k, v in e.items() if not k.startswith("odc/")} for e in trainer.state.log_history
                 if "loss" in e]
 
     if dist.get_rank() == 0:
-        emit({"odc": logs(odc), "stock": logs(stock),
+        emit({**{name: logs(t) for name, t in trainers.items()},
+              "fp64_dtype": str(next(trainers["fp64"].model.parameters()).dtype) if CPU else None,
               "microbatch_counts": [[e.get(f"odc/microbatches_rank{r}") for r in range(dist.get_world_size())]
                                     for e in odc.state.log_history if "odc/bubble" in e],
               "optimizers": [type(t.model_wrapped.optimizer).__name__ for t in (odc, stock)],
@@ -186,6 +216,7 @@ def scenario_split(tmp: str):
     data = Dataset.from_dict({"input_ids": short + long})
     base = tiny_llama()
     models = {name: copy.deepcopy(base) for name in ("split", "whole")}
+    models["fp64"] = copy.deepcopy(base).double()
     common = dict(per_device_train_batch_size=2, gradient_accumulation_steps=2)
     split = OdcTrainer(models["split"], training_args(f"{tmp}/split", odc=True, **common), train_dataset=data,
                        balancer_planner="lb-mini-sp", max_tokens_per_microbatch=48, balancer_cost="tokens")
@@ -193,11 +224,24 @@ def scenario_split(tmp: str):
     whole = OdcTrainer(models["whole"], training_args(f"{tmp}/whole", odc=True, **common), train_dataset=data,
                        balancer_planner="lb-mini", balancer_cost="tokens")
     whole.train()
+    runs = {"split": split, "whole": whole}
+    if CPU:  # the reference: the stock Trainer in float64 (DDP), one sample per microbatch in lb-mini's order
+        from transformers import Trainer
+
+        from ds_odc.training.collate import PackedCollator
+        ordered = data.select(whole.odc_pack_sampler.sampler.epoch_order(0).tolist())
+        with without_deepspeed():
+            runs["fp64"] = Trainer(models["fp64"], training_args(f"{tmp}/fp64", odc=False, deepspeed=None,
+                                                                 per_device_train_batch_size=1,
+                                                                 gradient_accumulation_steps=4,
+                                                                 train_sampling_strategy="sequential"),
+                                   train_dataset=ordered, data_collator=PackedCollator())
+            runs["fp64"].train()
     sampler = split.odc_pack_sampler.sampler
     splits = sum(len(sampler.minibatch(step).splits) for step in range(len(sampler)))
     if dist.get_rank() == 0:
-        emit({"loss": {"split": logged(split, "loss"), "whole": logged(whole, "loss")},
-              "grad_norm": {"split": logged(split, "grad_norm"), "whole": logged(whole, "grad_norm")},
+        emit({"loss": {k: logged(t, "loss") for k, t in runs.items()},
+              "grad_norm": {k: logged(t, "grad_norm") for k, t in runs.items()},
               "attention": split.model.config._attn_implementation, "split_samples": splits,
               "truncated": int(sampler.data_report.truncated.size)})
 

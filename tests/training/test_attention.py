@@ -2,20 +2,21 @@
 
 Reference: every document through the same model on its own (``sdpa``, no packing), per-token losses summed;
 packed: the documents in one row (PackedCollator), one forward. Losses and every parameter gradient must agree
-within fp32 rounding (measured: ~1e-7 relative), for Qwen2 and Llama shapes, rows with length-1 documents, and the
-boundaries given either as cu_seq_lens (collator) or only as restarting position ids.
+within fp32 rounding, for Qwen2 and Llama shapes, rows with length-1 documents, and the boundaries given either as
+cu_seq_lens (collator) or only as restarting position ids. The bounds are those of tests/_support/tolerance.py, with
+the reference's own distance from the same computation in float64 as the reference distance.
 """
 
 import pytest
 import torch
 import torch.nn.functional as F
 
+from _support.tolerance import SCALAR_ULPS, assert_caught, assert_within, compare
 from ds_odc.training import attention
 from ds_odc.training.collate import PackedCollator
 
 LENGTHS = [7, 1, 12, 3, 1, 9]  # several documents, two of length 1
 BUCKETED_LENGTHS = [37, 1, 21, 3, 1, 9]  # 37 and 21 are padded to their buckets (40, 22); 9 is a bucket
-TOL = 2e-6
 
 
 def _model(kind: str, impl: str):
@@ -37,28 +38,45 @@ def _docs(seed=1, lengths=LENGTHS):
 
 
 def _loss_sum(logits, labels):
-    return F.cross_entropy(logits[0, :-1].float(), labels[0, 1:], ignore_index=-100, reduction="sum")
+    logits = logits[0, :-1]
+    return F.cross_entropy(logits if logits.dtype == torch.float64 else logits.float(), labels[0, 1:],
+                           ignore_index=-100, reduction="sum")
 
 
 def _grads(model):
     return {n: p.grad.detach().clone() for n, p in model.named_parameters() if p.grad is not None}
 
 
-def _reference(kind, docs):
-    model = _model(kind, "sdpa")
+def _reference(kind, docs, dtype=torch.float32):
+    model = _model(kind, "sdpa").to(dtype)
     total = sum(_loss_sum(model(input_ids=d[None]).logits, d[None]) for d in docs)
     total.backward()
     return total.detach(), _grads(model)
 
 
-def _assert_close(got, want):
-    loss, grads = got
-    ref_loss, ref_grads = want
-    assert abs(loss.item() - ref_loss.item()) <= TOL * abs(ref_loss.item())
+def _distances(got, want) -> tuple[float, float]:
+    """(loss, gradients) of ``got`` from ``want``: the loss relative, the gradients as the largest over the
+    parameters of max |got - want| / max |want|."""
+    (loss, grads), (ref_loss, ref_grads) = got, want
     assert grads.keys() == ref_grads.keys()
-    for name, g in grads.items():
-        scale = ref_grads[name].abs().max().item()
-        assert (g - ref_grads[name]).abs().max().item() <= TOL * scale + 1e-12, name
+    far = max(float((g.double() - ref_grads[n].double()).abs().max() / ref_grads[n].double().abs().max())
+              for n, g in grads.items())
+    return abs(loss.item() - ref_loss.item()) / abs(ref_loss.item()), far
+
+
+def _assert_close(got, kind, docs):
+    """``got`` (loss, gradients) against the sdpa reference of ``docs``, with the reference's own distance from
+    float64 as the reference distance."""
+    want = _reference(kind, docs)
+    (loss, grads), (loss_ref, grads_ref) = _distances(got, want), _distances(want, _reference(kind, docs,
+                                                                                              torch.float64))
+    assert_within(compare("packed vs documents alone: loss", loss, loss_ref, ulps=SCALAR_ULPS),
+                  compare("packed vs documents alone: gradients (max over parameters of max|diff| / max|ref|)",
+                          grads, grads_ref))
+
+
+def _max_abs(a, b) -> float:
+    return float((a.double() - b.double()).abs().max())
 
 
 @pytest.mark.parametrize("kind", ["qwen2", "llama"])
@@ -74,7 +92,7 @@ def test_packed_row_equals_documents_alone(kind, boundaries, choice):
     labels = row.pop("labels")
     loss = _loss_sum(model(**row).logits, labels)
     loss.backward()
-    _assert_close((loss.detach(), _grads(model)), _reference(kind, docs))
+    _assert_close((loss.detach(), _grads(model)), kind, docs)
 
 
 def test_bucket_lengths_bound_the_padding_and_the_number_of_shapes():
@@ -91,10 +109,13 @@ def test_padding_at_the_end_is_exact_only_because_attention_is_causal():
     g = torch.Generator().manual_seed(0)
     q, k, v = (torch.randn(1, 4, 37, 8, generator=g) for _ in range(3))
     padded = [F.pad(x, (0, 0, 0, attention.bucket_length(37) - 37)) for x in (q, k, v)]
-    for causal, same in ((True, True), (False, False)):
+    for causal in (True, False):
         alone = F.scaled_dot_product_attention(q, k, v, is_causal=causal)
+        exact = F.scaled_dot_product_attention(q.double(), k.double(), v.double(), is_causal=causal)
         with_padding = F.scaled_dot_product_attention(*padded, is_causal=causal)[:, :, :37]
-        assert torch.allclose(alone, with_padding, atol=1e-6) is same
+        padded_vs_alone = compare(f"causal={causal}: padded vs alone (max abs)", _max_abs(with_padding, alone),
+                                  _max_abs(alone, exact))
+        (assert_within if causal else assert_caught)(padded_vs_alone)
 
 
 def test_without_document_boundaries_the_row_mixes_documents():
@@ -112,23 +133,33 @@ def test_batches_of_unpacked_rows_and_the_collators_of_transformers_and_trl():
     from transformers import DataCollatorWithFlattening
     docs = _docs()
     model = _model("llama", attention.ATTENTION_NAME).eval()
-    sdpa = _model("llama", "sdpa").eval()
+    sdpa, exact = _model("llama", "sdpa").eval(), _model("llama", "sdpa").eval().double()
+
+    def logits(reference, inputs):  # a [B, T] batch, or documents each alone, concatenated
+        if torch.is_tensor(inputs):
+            return reference(input_ids=inputs).logits
+        return torch.cat([reference(input_ids=d[None]).logits[0] for d in inputs])
+
+    def same_logits(what, got, inputs):  # against sdpa's, with sdpa's own distance from float64 as the reference
+        want = logits(sdpa, inputs)
+        return compare(f"{what}: logits vs sdpa (max abs)", _max_abs(got, want), _max_abs(want, logits(exact, inputs)))
+
     batch = torch.stack([docs[0], docs[0].flip(0)])
     with torch.no_grad():
-        assert torch.allclose(model(input_ids=batch).logits, sdpa(input_ids=batch).logits, atol=1e-5)
-        want = torch.cat([sdpa(input_ids=d[None]).logits[0] for d in docs])
+        checks = [same_logits("[B, T] batch", model(input_ids=batch).logits, batch)]
         hf = DataCollatorWithFlattening(return_flash_attn_kwargs=True)([{"input_ids": d.tolist()} for d in docs])
         assert hf["cu_seq_lens_q"].tolist()[-1] == sum(LENGTHS)
         hf.pop("labels")
-        assert torch.allclose(model(**hf).logits[0], want, atol=1e-5)
+        checks.append(same_logits("DataCollatorWithFlattening", model(**hf).logits[0], docs))
         trl = pytest.importorskip("trl.trainer.sft_trainer")
         padding_free = trl.DataCollatorForLanguageModeling(pad_token_id=0, padding_free=True)
         tb = padding_free([{"input_ids": d.tolist()} for d in docs])
         assert "cu_seq_lens_q" in tb
-        assert torch.allclose(model(input_ids=tb["input_ids"], position_ids=tb["position_ids"],
-                                    cu_seq_lens_q=tb["cu_seq_lens_q"], cu_seq_lens_k=tb["cu_seq_lens_k"],
-                                    max_length_q=tb["max_length_q"], max_length_k=tb["max_length_k"]).logits[0],
-                              want, atol=1e-5)
+        checks.append(same_logits("TRL padding-free", model(
+            input_ids=tb["input_ids"], position_ids=tb["position_ids"], cu_seq_lens_q=tb["cu_seq_lens_q"],
+            cu_seq_lens_k=tb["cu_seq_lens_k"], max_length_q=tb["max_length_q"],
+            max_length_k=tb["max_length_k"]).logits[0], docs))
+    assert_within(*checks)
 
 
 def test_padding_and_unsupported_options_are_refused_with_the_fix():

@@ -1,13 +1,14 @@
-"""The chunked causal-LM loss equals transformers' own loss (value and gradients) without building the full logits."""
+"""The chunked causal-LM loss equals transformers' own loss (value and gradients) without building the full logits.
+
+Bounds: tests/_support/tolerance.py, the plain loss's own distance from the same loss in float64 as the reference."""
 
 import pytest
 import torch
 
+from _support.tolerance import SCALAR_ULPS, assert_within, compare
 from ds_odc.training.attention import ATTENTION_NAME
 from ds_odc.training.collate import PackedCollator
 from ds_odc.training.loss import chunked_causal_lm_loss, count_loss_tokens, use_chunked_loss
-
-TOL = 2e-6
 
 
 def _model(tied=True):
@@ -33,11 +34,39 @@ def _loss_and_grads(model, row, **kwargs):
     return out, grads
 
 
-def _assert_same(a, b):
-    (out_a, grads_a), (out_b, grads_b) = a, b
-    assert abs(out_a.loss.item() - out_b.loss.item()) <= TOL * abs(out_b.loss.item())
-    for name, g in grads_a.items():
-        assert (g - grads_b[name]).abs().max().item() <= TOL * grads_b[name].abs().max().item() + 1e-12, name
+def _exact_loss_and_grads(tied, row, num_items_in_batch=None):
+    """The plain loss in float64: transformers' loss computes in fp32 (it upcasts to float), so the cross-entropy of
+    the float64 logits is taken here, the same way (shifted labels, mean over the label tokens or sum over
+    ``num_items_in_batch``)."""
+    model = _model(tied).double()
+    inputs = {k: v for k, v in row.items() if k != "labels"}
+    logits = model(**inputs).logits[0, :-1]
+    labels = row["labels"][0, 1:]
+    if num_items_in_batch is None:
+        loss = torch.nn.functional.cross_entropy(logits, labels, ignore_index=-100)
+    else:
+        loss = torch.nn.functional.cross_entropy(logits, labels, ignore_index=-100, reduction="sum")
+        loss = loss / num_items_in_batch
+    loss.backward()
+    return loss.item(), {n: p.grad.clone() for n, p in model.named_parameters()}
+
+
+def _distances(a, b) -> tuple[float, float]:
+    """(loss, gradients) of run ``a`` from run ``b``: the loss relative, the gradients as the largest over the
+    parameters of max |a - b| / max |b|."""
+    (loss_a, grads_a), (loss_b, grads_b) = a, b
+    grads = max(float((g.double() - grads_b[n].double()).abs().max() / grads_b[n].double().abs().max())
+                for n, g in grads_a.items())
+    return abs(loss_a - loss_b) / abs(loss_b), grads
+
+
+def _assert_same(chunked, plain, exact):
+    """``chunked`` against ``plain`` (fp32), each distance against plain's own from ``exact`` (float64)."""
+    chunked, plain = [(out.loss.item(), grads) for out, grads in (chunked, plain)]
+    (loss, grads), (loss_ref, grads_ref) = _distances(chunked, plain), _distances(plain, exact)
+    assert_within(compare("chunked vs plain: loss", loss, loss_ref, ulps=SCALAR_ULPS),
+                  compare("chunked vs plain: gradients (max over parameters of max|diff| / max|plain|)", grads,
+                          grads_ref))
 
 
 @pytest.mark.parametrize("chunk_tokens", [1000, 7, 1])  # one chunk, uneven chunks, one position per chunk
@@ -48,10 +77,11 @@ def test_chunked_model_loss_equals_the_plain_loss(chunk_tokens, tied):
     chunked_model = use_chunked_loss(_model(tied), chunk_tokens=chunk_tokens)
     chunked = _loss_and_grads(chunked_model, row)
     assert chunked[0].logits is None
-    _assert_same(chunked, plain)
+    _assert_same(chunked, plain, _exact_loss_and_grads(tied, row))
     n = count_loss_tokens(row)  # as a trainer passes it: the loss is then the sum over n
     _assert_same(_loss_and_grads(chunked_model, row, num_items_in_batch=torch.tensor(n / 2)),
-                 _loss_and_grads(_model(tied), row, num_items_in_batch=torch.tensor(n / 2)))
+                 _loss_and_grads(_model(tied), row, num_items_in_batch=torch.tensor(n / 2)),
+                 _exact_loss_and_grads(tied, row, num_items_in_batch=n / 2))
 
 
 def test_shift_labels_eval_mode_and_refusals():

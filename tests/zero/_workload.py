@@ -75,10 +75,11 @@ def client_optimizer(params):
 
 
 def reference_run(model, steps: int, num_samples: int, clip: float = 0.0, per_sample_mean: bool = False,
-                  dtype: torch.dtype = torch.float32, optimizer: str = "sgd"):
+                  dtype: torch.dtype = torch.float32, optimizer: str = "sgd", sample_losses: list | None = None):
     """Plain PyTorch, one process: the gradient of the global token-mean loss of every minibatch (or, with
     ``per_sample_mean``, of the mean over samples of each sample's token mean: stock DeepSpeed's GAS semantics).
-    ``dtype=torch.float64`` gives the exact answer both distributed runs are rounding approximations of."""
+    ``dtype=torch.float64`` gives the exact answer both distributed runs are rounding approximations of.
+    ``sample_losses``: a list that gets each sample's token-mean loss, step by step, in sample order."""
     model = copy.deepcopy(model).to(DEVICE, dtype)
     params = [p for p in model.parameters() if p.requires_grad]
     opt = client_optimizer(params) if optimizer == "sgd" else torch.optim.AdamW(params, **ADAMW)
@@ -95,11 +96,26 @@ def reference_run(model, steps: int, num_samples: int, clip: float = 0.0, per_sa
                                                      s[0, 1:], reduction="sum") / norm
             loss.backward()
             total += loss.item()
+            if sample_losses is not None:
+                sample_losses.append(loss.item() * norm / (s.numel() - 1))
         if clip > 0:
             torch.nn.utils.clip_grad_norm_(params, clip)
         opt.step()
         losses.append(total)
     return model, losses
+
+
+def reference_and_rounding(model, steps: int, num_samples: int, **kwargs):
+    """:func:`reference_run` in fp32, and how far fp32 rounding moved it: its distance from the same run in float64
+    (max over tensors, relative), the reference distance of tests/_support/tolerance.py for a comparison with it.
+    Returns (fp32 model, fp32 losses, that distance); the distance on the first rank only, which reports it (None on
+    the others: the float64 run is not repeated on every rank)."""
+    import torch.distributed as dist
+    ref, losses = reference_run(model, steps, num_samples, **kwargs)
+    if dist.is_initialized() and dist.get_rank() != 0:
+        return ref, losses, None
+    exact, _ = reference_run(model, steps, num_samples, **{**kwargs, "dtype": torch.float64})
+    return ref, losses, max_rel_diff(full_params(ref, torch.float64), full_params(exact, torch.float64))
 
 
 def _width(dtype: torch.dtype) -> int:
@@ -130,6 +146,30 @@ def max_rel_diff(a: dict, b: dict) -> float:
 def flat(tensors) -> torch.Tensor:
     """Tensors as one flat fp32 CPU vector (to compare whole parameter or gradient sets)."""
     return torch.cat([t.detach().float().reshape(-1).cpu() for t in tensors])
+
+
+def api_comparisons(diffs: dict[str, float], rounding: dict[str, float], what: str = "") -> list:
+    """The comparisons (tests/_support/tolerance.py) of :func:`odc_vs_stock`'s distances, each against stock's own
+    rounding of its kind of quantity (``worker.stock_rounding``): gradients, parameters (and the 16-bit save of
+    them), logits, losses; the greedy tokens must agree exactly."""
+    from _support.tolerance import SCALAR_ULPS, compare
+
+    def kind(key: str) -> tuple[str | None, float]:
+        if key.startswith("tokens"):
+            return None, 1.0
+        if key.startswith(("loss", "grad_norm")):
+            return ("loss" if key.startswith("loss") else "grads"), SCALAR_ULPS
+        for name, prefixes in (("grads", ("full_grads", "local_grads", "averaged", "slow_", "grad_partitions")),
+                               ("params", ("params_after", "saved_16bit")), ("logits", ("logits",))):
+            if key.startswith(prefixes):
+                return name, 1.0
+        raise KeyError(f"{key}: which kind of quantity (gradients, parameters, logits, losses) is it?")
+
+    out = []
+    for key, measured in diffs.items():
+        name, ulps = kind(key)
+        out.append(compare(f"{what}{key}: odc vs stock", measured, rounding[name] if name else 0.0, ulps=ulps))
+    return out
 
 
 def odc_vs_stock(sections, initial: torch.Tensor) -> dict:

@@ -2,7 +2,8 @@
 process (launched by test_deepspeed_apis.py on 2 and 3 CPU ranks, and by tests/gpu on GPUs).
 
 Each section builds one engine per mode and runs the same drop-in sequence on every rank; rank 0 reports how far
-ODC is from stock at each point:
+ODC is from stock at each point (and, on CPU ranks, stock's own rounding of each kind of quantity:
+``worker.stock_rounding``):
 
 * ``zero_grad_then_step``: ``optimizer.zero_grad()`` between backward and a step with no backward in between. Stock
   keeps the reduced gradients until the next backward overwrites them, so that step still applies them (DeepSpeed's
@@ -34,7 +35,7 @@ from ds_odc.training.distributed import shutdown_and_exit
 
 sys.path.insert(0, os.path.dirname(__file__))
 from _workload import ds_config, flat, full_params, minibatch, odc_vs_stock, tiny_llama  # noqa: E402
-from worker import build, init_ranks  # noqa: E402
+from worker import build, init_ranks, stock_rounding  # noqa: E402
 
 
 def backward_on(engine, step: int, k: int = 0, gas: int = 1):
@@ -155,6 +156,8 @@ def main():
         run = with_shard_size(section, args.shard_size) if args.shard_size else section
         sections.append(functools.partial(run, folder=args.dir) if section is save_16bit_model else run)
     out = odc_vs_stock(sections, flat(full_params(tiny_llama()).values()))
+    if os.environ.get("ODC_TEST_CUDA") != "1":  # the CPU tests' reference distances
+        out["stock_rounding"] = stock_rounding()
     if dist.get_rank() == 0:
         emit(out)
     shutdown_and_exit()

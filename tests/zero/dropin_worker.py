@@ -6,7 +6,8 @@ gradients read between backward and step (``safe_get_full_grad``, ``safe_get_loc
 ``optimizer.averaged_gradients``), written there (``safe_set_full_grad``, ``safe_update_full_grad_vectorized``),
 dropped there (``optimizer.zero_grad()``); then parameters written outside the step and read at once:
 ``GatheredParameters(modifier_rank=0)`` with one rank slow to write its slice, ``safe_set_full_fp32_param`` (published
-by the next step), and a shard replaced with ``param.ds_tensor.data = ...``. Rank 0 reports how far ODC is from stock at each point.
+by the next step), and a shard replaced with ``param.ds_tensor.data = ...``. Rank 0 reports how far ODC is from stock at
+each point, and (on CPU ranks) stock's own rounding of each kind of quantity (``worker.stock_rounding``).
 
 ``refusals``: the early gradient reads ODC cannot answer (mid-minibatch with explicit boundaries; unmanaged
 accumulation) raise an error that says why, instead of hanging or returning partial sums.
@@ -28,7 +29,7 @@ from ds_odc.training.distributed import shutdown_and_exit
 
 sys.path.insert(0, os.path.dirname(__file__))
 from _workload import ds_config, flat, full_params, minibatch, odc_vs_stock, tiny_llama  # noqa: E402
-from worker import build, init_ranks  # noqa: E402
+from worker import build, init_ranks, stock_rounding  # noqa: E402
 
 
 def named(engine):
@@ -212,8 +213,9 @@ def scenario_apis(args):
     out = odc_vs_stock(sections, flat(full_params(tiny_llama()).values()))
     gathered = [None] * dist.get_world_size()
     dist.all_gather_object(gathered, out)
+    rounding = stock_rounding() if os.environ.get("ODC_TEST_CUDA") != "1" else None  # the CPU tests' references
     if dist.get_rank() == 0:
-        emit({"ranks": gathered})
+        emit({"ranks": gathered, "stock_rounding": rounding})
 
 
 def scenario_refusals(args):

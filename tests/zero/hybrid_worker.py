@@ -31,7 +31,8 @@ from _support.launch import emit, expect_error
 from ds_odc.training.distributed import shutdown_and_exit
 
 sys.path.insert(0, os.path.dirname(__file__))
-from _workload import ds_config, full_params, max_rel_diff, minibatch, reference_run, rel_diff, tiny_llama  # noqa: E402
+from _workload import (ds_config, full_params, max_rel_diff, minibatch, reference_and_rounding,  # noqa: E402
+                       reference_run, rel_diff, tiny_llama)
 from worker import CALLS, build, count_collectives, init_ranks, rank_world, train_uneven  # noqa: E402
 
 STEPS = 3
@@ -66,7 +67,7 @@ def check_uneven(args) -> dict:
     assert len(counts) == world, f"--counts needs {world} entries"
     model = tiny_llama()
     initial = full_params(model)
-    ref_model, _ = reference_run(model, STEPS, sum(counts), clip=args.clip)
+    ref_model, _, ref_rounding = reference_and_rounding(model, STEPS, sum(counts), clip=args.clip)
     engine = build(model, ds_config(odc_block(args), clip=args.clip, managed=False, optimizer="sgd"))
     odc = engine.optimizer.odc
     sums = []
@@ -90,7 +91,8 @@ def check_uneven(args) -> dict:
     layout = odc.groups.layout
     partition_groups = {tuple(dist.get_process_group_ranks(p.ds_process_group)) for p in engine.module.parameters()}
     trained = full_params(engine)
-    return {"max_rel_diff": max_rel_diff(trained, full_params(ref_model)), "moved": max_rel_diff(trained, initial),
+    return {"max_rel_diff": max_rel_diff(trained, full_params(ref_model)), "ref_rounding": ref_rounding,
+            "moved": max_rel_diff(trained, initial),
             "transport_ranks": odc.transport.world_size, "partition_groups": sorted(partition_groups),
             "shard_groups": layout.replicas, "replicas_identical": replicas_identical(engine, args.shard_size),
             "replica_sums": len(sums), "forward_backward_collectives": sum(CALLS["by_name"].values())}
@@ -156,7 +158,7 @@ def check_zero_init(args) -> dict:
     copies = gathered(torch.cat([t.reshape(-1) for t in initial.values()]))
     plain = tiny_llama()
     plain.load_state_dict(initial)
-    ref_model, _ = reference_run(plain, 2, sum(counts), clip=args.clip)
+    ref_model, _, ref_rounding = reference_and_rounding(plain, 2, sum(counts), clip=args.clip)
     train_uneven(engine, counts, 2)
     with deepspeed.zero.Init():  # no config: stock's world group
         world_model = tiny_llama()
@@ -164,7 +166,8 @@ def check_zero_init(args) -> dict:
     return {"partition_sizes": partition_sizes, "initial_same_everywhere": all(torch.equal(c, copies[0])
                                                                                for c in copies),
             "replicas_identical": replicas_identical(engine, args.shard_size),
-            "max_rel_diff": max_rel_diff(full_params(engine), full_params(ref_model)), "refused": refused}
+            "max_rel_diff": max_rel_diff(full_params(engine), full_params(ref_model)), "ref_rounding": ref_rounding,
+            "refused": refused}
 
 
 CHECKS = {"uneven": check_uneven, "equal": check_equal, "checkpoint": check_checkpoint, "zero_init": check_zero_init}

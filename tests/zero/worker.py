@@ -16,12 +16,13 @@ import torch
 import ds_odc  # installs the odc config key before any engine is built
 from ds_odc.training.loss import global_mean_weight, token_loss_sum
 from _support.launch import emit, init_test_ranks
+from _support.tolerance import plant_wrong_weight
 from ds_odc.training.distributed import shutdown_and_exit
 
 sys.path.insert(0, os.path.dirname(__file__))
 import _workload  # noqa: E402
-from _workload import (client_optimizer, ds_config, full_params, max_rel_diff, minibatch, reference_run,  # noqa: E402
-                       rel_diff, tiny_llama)
+from _workload import (client_optimizer, ds_config, full_params, max_rel_diff, minibatch,  # noqa: E402
+                       reference_and_rounding, reference_run, rel_diff, tiny_llama)
 
 
 def rank_world():
@@ -79,6 +80,47 @@ def train_uneven(engine, counts, steps, managed=False, step_offset=0, stall=None
     return losses
 
 
+def stock_rounding() -> dict[str, float]:
+    """How far fp32 rounding moves stock ZeRO-3's gradients, parameters, logits and losses of the tiny model on this
+    machine's kernels: one drop-in step (GAS 2, SGD, every rank) against one process computing the same minibatch in
+    float64 (relative distances of whole flat vectors; for the losses, the largest over this rank's microbatches).
+    The reference distances (tests/_support/tolerance.py) of API sequences that have no float64 counterpart
+    (dropin_worker.py, deepspeed_apis_worker.py), by kind of quantity; on the first rank, which reports them (None on
+    the others)."""
+    from deepspeed.utils import safe_get_full_grad
+    rank, world = rank_world()
+    gas = 2
+    samples = minibatch(0, gas * world)
+    prompt = minibatch(7, world)[rank][:, :6]
+    engine = build(tiny_llama(), ds_config(None, gas=gas, optimizer="sgd"))
+    exact = tiny_llama().to(_workload.DEVICE, torch.float64)
+    with torch.no_grad():
+        logits = [engine(input_ids=prompt).logits, exact(input_ids=prompt).logits if rank == 0 else None]
+    losses = []
+    for k in range(gas):
+        s = samples[k * world + rank]
+        loss = engine(input_ids=s, labels=s).loss
+        engine.backward(loss)
+        losses.append(loss.item())
+        if k == gas - 1:
+            grads = torch.cat([safe_get_full_grad(p).reshape(-1) for p in engine.module.parameters()])
+        engine.step()
+    trained = full_params(engine, torch.float64)  # collective
+    if rank != 0:
+        return None
+    exact_losses = []
+    for i, s in enumerate(samples):  # stock's weight: the mean over samples of each sample's token mean
+        loss = torch.nn.functional.cross_entropy(exact(input_ids=s).logits[0, :-1], s[0, 1:])
+        (loss / len(samples)).backward()
+        if i % world == rank:
+            exact_losses.append(loss.item())
+    exact_grads = torch.cat([p.grad.reshape(-1) for p in exact.parameters()])
+    client_optimizer(list(exact.parameters())).step()
+    params = [torch.cat([t.reshape(-1) for t in p.values()]) for p in (trained, full_params(exact, torch.float64))]
+    return {"grads": rel_diff(grads, exact_grads), "params": rel_diff(*params), "logits": rel_diff(*logits),
+            "loss": max(abs(a - b) / abs(b) for a, b in zip(losses, exact_losses))}
+
+
 def scenario_equal(args):
     """Drop-in semantics: every rank runs the configured GAS; ODC must equal stock ZeRO-3 up to fp32 rounding.
     Both are also compared, parameter by parameter, with a single-process reference of the same minibatches in
@@ -103,13 +145,17 @@ def scenario_equal(args):
     stock, odc = results["stock"][0], results["odc"][0]
     # Sample order of the reference: step s's samples in index order, which is how ranks x GAS slots cover them.
     dtype = getattr(torch, args.reference_dtype)
+    sample_losses = []
     ref, _ = reference_run(tiny_llama(), steps, gas * world, clip=args.clip, per_sample_mean=True, dtype=dtype,
-                           optimizer=args.optimizer)
+                           optimizer=args.optimizer, sample_losses=sample_losses)
     ref = full_params(ref, dtype)
     per_param = {n: [rel_diff(stock[n], ref[n]), rel_diff(odc[n], ref[n]), rel_diff(odc[n], stock[n])] for n in ref}
     out = {"max_rel_diff": max(v[2] for v in per_param.values()),
            "stock_vs_ref": max(v[0] for v in per_param.values()), "odc_vs_ref": max(v[1] for v in per_param.values()),
            "per_param": per_param, "loss_stock": results["stock"][1], "loss_odc": results["odc"][1],
+           # the reference's loss of each sample this rank trained, in the order of loss_stock
+           "loss_ref": [sample_losses[step * gas * world + k * world + rank] for step in range(steps)
+                        for k in range(gas)],
            "optimizers": [results["stock"][2], results["odc"][2]]}
     if rank == 0:
         emit(out)
@@ -122,7 +168,7 @@ def scenario_uneven(args):
     assert len(counts) == world, f"--counts needs {world} entries"
     model = tiny_llama(frozen_embeddings=args.frozen)
     initial = full_params(model)
-    ref_model, ref_losses = reference_run(model, args.steps, sum(counts), clip=args.clip)
+    ref_model, ref_losses, ref_rounding = reference_and_rounding(model, args.steps, sum(counts), clip=args.clip)
     if args.checkpointing:
         model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
     extra = {"stage3_param_persistence_threshold": args.persist} if args.persist else {}
@@ -144,10 +190,13 @@ def scenario_uneven(args):
         in_flight.append(len(registry))  # prefetches stock would leave for a per-parameter wait later
 
     coordinator.fetch_sub_module = counted_fetch
+    if args.plant:  # the planted error of tests/_support/tolerance.py: rank 0's second microbatch dropped or reweighted
+        plant_wrong_weight(engine, {"drop": 0.0, "weight": 1.5}[args.plant], call=1)
     train_uneven(engine, counts, args.steps, managed=args.managed, tag=args.tag)
     odc = full_params(engine)
     if rank == 0:
         emit({"max_rel_diff": max_rel_diff(odc, full_params(ref_model)), "ref_losses": ref_losses,
+              "ref_rounding": ref_rounding,
               "moved": max_rel_diff(odc, initial),
               "persistent_params": persistent, "reads": len(reads), "params_read": sum(reads), "module_fetches": len(fetches),
               "prefetches_waiting": max(in_flight, default=0),
@@ -412,6 +461,7 @@ def main():
     parser.add_argument("--persist", type=int, default=0, help="stage3_param_persistence_threshold")
     parser.add_argument("--remote", action="store_true", help="odc.force_remote_path (GPU: NVSHMEM get/put only)")
     parser.add_argument("--dir", help="a folder the test owns and removes (checkpoints)")
+    parser.add_argument("--plant", choices=["drop", "weight"], help="uneven: a planted error (see scenario_uneven)")
     parser.add_argument("--local_rank", type=int, default=None)  # the deepspeed launcher passes it
     args = parser.parse_args()
     if args.scenario == "collectives":
