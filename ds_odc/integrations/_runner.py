@@ -79,8 +79,8 @@ from ds_odc.zero.engine import tag_minibatch
 logger = logging.get_logger(__name__)
 
 __all__ = ["Microbatch", "MinibatchPosition", "StepTimes", "StepRunner", "OdcRunner", "PackRunner", "RunsOdcSteps",
-           "balancer_options", "with_split_policy", "odc_enabled", "deepspeed_config_of", "one_pack_per_step",
-           "BALANCER_STATE_NAME", "resolve_checkpoint", "save_balancer_state", "load_balancer_state"]
+           "balancer_options", "with_split_policy", "underlying_model", "odc_enabled", "deepspeed_config_of",
+           "one_pack_per_step", "BALANCER_STATE_NAME", "resolve_checkpoint", "save_balancer_state", "load_balancer_state"]
 
 BALANCER_STATE_NAME = "ds_odc_balancer.json"  # in every checkpoint folder: where the balancer stands
 
@@ -329,9 +329,12 @@ class PackRunner(OdcRunner):
             model.set_attn_implementation(target)
             logger.info(f"ds_odc: attention {current} -> {target} for packed rows")
         wants_logits = trainer.label_smoother is not None or trainer.compute_loss_func is not None
-        if loss_chunk_tokens and not wants_logits and "forward" not in vars(model):
+        # Under PEFT the adapters live inside the base model's layers and the PeftModel's forward calls the base
+        # model's: the chunked loss replaces the base model's forward (or keeps TRL's fused LM head there).
+        base = underlying_model(model)
+        if loss_chunk_tokens and not wants_logits and "forward" not in vars(base):
             try:
-                use_chunked_loss(model, chunk_tokens=loss_chunk_tokens)
+                use_chunked_loss(base, chunk_tokens=loss_chunk_tokens)
             except ValueError as e:  # not a plain causal LM: keep its own loss
                 logger.info(f"ds_odc: keeping the model's own loss ({e})")
 
@@ -516,6 +519,13 @@ class PackRunner(OdcRunner):
             return
         self.pack_sampler.resume(state)
         logger.info(f"ds_odc: balancer resumes at epoch {state['epoch']}, minibatch {state['step']}")
+
+
+def underlying_model(model):
+    """The model whose forward computes the loss: a PEFT model's base model (its adapters live inside that model's
+    layers), else ``model`` itself."""
+    from accelerate.utils import is_peft_model
+    return model.get_base_model() if is_peft_model(model) else model
 
 
 def with_split_policy(options: BalancerOptions, model_config) -> BalancerOptions:

@@ -81,9 +81,6 @@ def _refusals(args, trainer_kwargs: dict, options: BalancerOptions) -> list[str]
     if args.entropy_coef != 0.0 or args.use_adaptive_entropy:
         out.append("entropy_coef / use_adaptive_entropy (the entropy bonus is a per-microbatch mean, not yet "
                    "reweighted per sample: set entropy_coef=0.0 and use_adaptive_entropy=False)")
-    if trainer_kwargs.get("peft_config") is not None:
-        out.append("peft_config (PEFT/LoRA adapters are not tested with ODC yet: train without ODC, or merge the "
-                   "adapter into a full fine-tune)")
     if trainer_kwargs.get("tools") or trainer_kwargs.get("environment_factory") is not None:
         out.append("tools / environment_factory (multi-turn tool calls are not tested with ODC yet)")
     if args.steps_per_generation % args.gradient_accumulation_steps:
@@ -134,8 +131,6 @@ class OdcGRPOTrainer(RunsOdcSteps, GRPOTrainer):
             _refuse_options(args, trainer_kwargs, options)
         if generation_residency is not None and generation_residency not in RESIDENCIES:
             raise ValueError(f"ds_odc: generation_residency must be one of {RESIDENCIES}, got {generation_residency!r}")
-        if odc:
-            _refuse_peft_model(model)
         args = training_args_for_kernels(args)  # torch_compile + use_liger_kernel: Liger's layer kernels off
         super().__init__(model, reward_funcs, args, *trainer_args, **trainer_kwargs)
         match_accelerate_backend(self.args)
@@ -258,15 +253,6 @@ def _refuse_options(args, trainer_kwargs: dict, options: BalancerOptions) -> Non
     if refused:
         raise ValueError("ds_odc: OdcGRPOTrainer with zero_optimization.odc does not support "
                          + "; ".join(refused) + ". Change these options or turn ODC off.")
-
-
-def _refuse_peft_model(model) -> None:
-    if not isinstance(model, str):
-        from accelerate.utils import is_peft_model
-        if is_peft_model(model):
-            raise ValueError("ds_odc: OdcGRPOTrainer with zero_optimization.odc does not support a PeftModel "
-                             "(PEFT/LoRA adapters are not tested with ODC yet): train without ODC, or merge the "
-                             "adapter into a full fine-tune")
 
 
 def _refuse_built(trainer: OdcGRPOTrainer) -> None:
