@@ -115,3 +115,41 @@ def test_grpo_resumes_adapters_exactly(two_ranks):
     out = two_ranks["grpo"]["resume"]
     assert out["losses"][1] == out["losses"][0], out["losses"]
     assert out["adapters"] == 0.0, out
+
+
+# -- the command lines: examples/sft.py (benchmarks/e2e.py's SFT path) and benchmarks/grpo.py --------------------------
+ROOT = os.path.join(os.path.dirname(__file__), "..", "..")
+
+
+def test_sft_recipe_trains_adapters(tmp_path):
+    """examples/sft.py --lora on 2 CPU ranks: ODC with LB-Mini logs stock ZeRO-3's losses (lb-micro, the same
+    minibatches), with gradient checkpointing."""
+    import json
+    losses = {}
+    for config, planner in (("zero3_odc_fp32_cpu", "lb-mini"), ("zero3_fp32_cpu", "lb-micro")):
+        metrics = tmp_path / f"{planner}.json"
+        launch(os.path.join(ROOT, "examples", "sft.py"), 2, [
+            "--deepspeed", os.path.join(ROOT, "ds_configs", f"{config}.json"), "--balancer", planner,
+            "--length-scale", "0.004", "--max-tokens", "60", "--oversize", "truncate", "--minibatch-size", "4",
+            "--num-samples", "48", "--steps", "3", "--lora", "4", "--gradient-checkpointing", "--quiet",
+            "--metrics-json", str(metrics)], timeout=180).check()
+        losses[planner] = [step["loss"] for step in json.loads(metrics.read_text())["steps"]]
+    assert len(losses["lb-mini"]) == 3
+    assert max(abs(a - b) for a, b in zip(losses["lb-mini"], losses["lb-micro"])) <= 1e-5, losses
+
+
+@pytest.mark.slow
+def test_grpo_benchmark_trains_adapters(tmp_path):
+    import json
+    import subprocess
+    import sys
+
+    from _support.launch import cpu_env
+    cmd = [sys.executable, os.path.join(ROOT, "benchmarks", "grpo.py"), "--out", str(tmp_path), "--model", "tiny",
+           "--steps", "2", "--lora", "4", "--beta", "0.04", "--modes", "stock,odc-packed", "--mode-timeout", "240"]
+    proc = subprocess.run(cmd, env=cpu_env(), capture_output=True, text=True, timeout=600)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    results = json.loads((tmp_path / "grpo.json").read_text())
+    first = results["stock"]["loss"][0]
+    assert abs(results["odc-packed"]["loss"][0] - first) <= 1e-5 * max(abs(first), 1.0), results
+    assert "LoRA adapters of rank 4" in (tmp_path / "grpo.md").read_text()
