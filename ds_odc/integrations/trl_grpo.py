@@ -17,8 +17,11 @@ microbatch (their log-probs taken from the microbatch's one forward), weighted b
 group in its stock microbatch (its share of the rows, or of the loss tokens for ``bnpo``: :data:`LOSS_WEIGHTS`); the
 sum over all ranks is TRL's loss whatever rank trains which sample. TRL's per-token metrics (``kl``, ``entropy``,
 ``clip_ratio/*``, ...) are reconstructed for the stock microbatches too (:mod:`ds_odc.integrations._stock_metrics`),
-so the logs show the curves stock TRL shows. Without ``odc`` in the config every method defers to ``GRPOTrainer``.
-See docs/RL.md.
+so the logs show the curves stock TRL shows. A MoE model's router auxiliary loss, a mean over each microbatch, is
+added once per microbatch, weighted by the microbatch's share of the step's samples (see [Note: per-microbatch
+means] in :mod:`ds_odc.integrations._runner`). LoRA adapters (``peft_config`` or a ``PeftModel``) train as in TRL,
+whose reference model is then the base model with the adapters disabled. Without ``odc`` in the config every method
+defers to ``GRPOTrainer``. See docs/RL.md.
 
 The step, the meeting and the logs are ``OdcTrainer``'s (:mod:`ds_odc.integrations._runner`): the trainer picks its
 runner once, in ``__init__`` (:class:`RolloutRunner` with ODC, TRL's own methods without), and adds what is GRPO's:

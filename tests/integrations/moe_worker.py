@@ -203,8 +203,7 @@ def scenario_sft(tmp: str) -> dict:
     # LB-Mini packing several samples per microbatch, against stock packing two (both padding-free rows)
     packed, _ = odc_run("packed", per_device=2, max_tokens_per_microbatch=80)
     packed_order = packed.odc_pack_sampler.sampler.epoch_order(0).tolist()
-    grouped = {"packed": packed, "stock": stock_run("stock2", 2, packed_order),
-               "fp64": stock_run("fp64_2", 2, packed_order, fp64=True)}
+    grouped = {"packed": packed, "stock": stock_run("stock2", 2, packed_order)}
     if packed_order == order:  # the yardstick: stock itself with one sample per microbatch instead of two
         grouped["stock_one_per_microbatch"] = runs["stock"]
     out["grouping"] = {**summary(grouped, initial), "microbatches": microbatch_counts(packed)}
@@ -293,7 +292,7 @@ def scenario_grpo(tmp: str) -> dict:
     out = summary(runs, initial)
     out["logs"] = {name: grpo_logs(t) for name, t in runs.items()}
     grouped = {}
-    for variant in ("stock", "fp64", "packed"):
+    for variant in ("stock", "packed"):
         budget = {"max_tokens_per_microbatch": 80} if variant == "packed" else {}
         grouped[variant], _ = train_grpo(path, f"{tmp}/{variant}4", variant, per_device=4, **budget)
     grouped["stock_one_per_microbatch"] = runs["stock"]

@@ -117,7 +117,7 @@ def test_grpo_resumes_adapters_exactly(two_ranks):
     assert out["adapters"] == 0.0, out
 
 
-# -- the command lines: examples/sft.py (benchmarks/e2e.py's SFT path) and benchmarks/grpo.py --------------------------
+# -- the command line: examples/sft.py (benchmarks/e2e.py's SFT path) --------------------------------------------------
 ROOT = os.path.join(os.path.dirname(__file__), "..", "..")
 
 
@@ -137,19 +137,3 @@ def test_sft_recipe_trains_adapters(tmp_path):
     assert len(losses["lb-mini"]) == 3
     assert max(abs(a - b) for a, b in zip(losses["lb-mini"], losses["lb-micro"])) <= 1e-5, losses
 
-
-@pytest.mark.slow
-def test_grpo_benchmark_trains_adapters(tmp_path):
-    import json
-    import subprocess
-    import sys
-
-    from _support.launch import cpu_env
-    cmd = [sys.executable, os.path.join(ROOT, "benchmarks", "grpo.py"), "--out", str(tmp_path), "--model", "tiny",
-           "--steps", "2", "--lora", "4", "--beta", "0.04", "--modes", "stock,odc-packed", "--mode-timeout", "240"]
-    proc = subprocess.run(cmd, env=cpu_env(), capture_output=True, text=True, timeout=600)
-    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
-    results = json.loads((tmp_path / "grpo.json").read_text())
-    first = results["stock"]["loss"][0]
-    assert abs(results["odc-packed"]["loss"][0] - first) <= 1e-5 * max(abs(first), 1.0), results
-    assert "LoRA adapters of rank 4" in (tmp_path / "grpo.md").read_text()

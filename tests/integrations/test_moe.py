@@ -76,7 +76,8 @@ def test_other_grouping_moves_as_far_as_stock_itself_does(two_ranks, trainer, ru
     # LB-Mini packs other samples together than stock (here with two or four samples per microbatch) does: the router
     # loss differs, by far more than rounding, but no more than stock's own result moves when it trains one sample per
     # microbatch instead (the yardstick: the same data, weights and steps).
-    grouping = two_ranks[trainer]["grouping"]
+    case = two_ranks[trainer]
+    grouping = case["grouping"]
     measured, yardstick = grouping["params"][run], grouping["params"]["stock_one_per_microbatch"]
-    assert measured > 100 * compare("", 0.0, grouping["params"]["fp64"]).bound, grouping["params"]
+    assert measured > 100 * compare("", 0.0, case["params"]["fp64"]).bound, grouping["params"]  # stock's rounding
     assert measured <= 2 * yardstick, grouping["params"]
