@@ -142,7 +142,9 @@ class OdcTrainer(RunsOdcSteps, Trainer):
         # A MoE model adds its router loss once per microbatch: the stock Trainer weighs it alike in every microbatch
         # of B samples (divided by the accumulation steps when it divides the loss), so this one stands for n / B of
         # them (see [Note: per-microbatch means] in _runner).
-        if reweight:
+        if not mb.step_samples:
+            router = 1.0
+        elif reweight:
             router = self.args.world_size * mb.sample_share / scale if scale else 0.0
         else:
             router = mb.sample_share * mb.step_samples / self.args.per_device_train_batch_size
