@@ -46,6 +46,12 @@ per-layer host time):
 
     python benchmarks/e2e.py --nproc 1 --workload longtail-packed --profile --out results/
 
+``--lora RANK`` trains LoRA adapters instead of the whole model in every mode (PEFT; the base model frozen and, under
+ZeRO-3, still sharded), the LoRA row of the SFT table:
+
+    python benchmarks/e2e.py --nproc 1 --workload longtail --modes stock+lb-micro,odc+lb-mini --lora 16 \
+        --out results/
+
 On a shared or noisy machine, ``--repeat N`` runs the mode list N times in rounds (A B C A B C ...): the table shows
 each mode's median run, and each ratio is the median of the ratios within a round. A mode ending in ``@DIR`` runs
 from another checkout of this repository (e.g. ``odc+lb-mini@../before``): a code change measured against the code
@@ -237,6 +243,8 @@ def run(mode: str, args, lengths: Path, out: Path, round_: int = 0) -> dict:
         cmd += ["--profile-python"] if args.profile_python else []
     if packed:
         cmd += ["--max-tokens", str(max(2, round(65536 * args.scale)))]
+    if args.lora:
+        cmd += ["--lora", str(args.lora)]
     log = out / f"{args.model}-{args.workload}-{slug}.log"
     started = time.monotonic()
     # TMPDIR: torchrun's log folder goes into a temporary folder of this launch, removed afterwards
@@ -318,6 +326,9 @@ def main():
     p.add_argument("--compile-backend", default="inductor",
                    help="torch.compile backend of the compiled modes (aot_eager: CPU smoke runs)")
     p.add_argument("--scale", type=float, default=1.0, help="scale all lengths (CPU smoke runs with --model tiny)")
+    p.add_argument("--lora", type=int, default=None, metavar="RANK",
+                   help="every mode trains LoRA adapters of this rank (all linear layers but the LM head; the base "
+                        "model frozen); the TFLOP/s and MFU columns still count a full fine-tune's FLOPs")
     p.add_argument("--repeat", type=int, default=1,
                    help="run the modes this many times, in rounds; medians and in-round ratios in the table")
     args = p.parse_args()
@@ -333,7 +344,8 @@ def main():
     out.mkdir(parents=True, exist_ok=True)
     lengths = out / f"lengths-{args.workload}.txt"
     write_lengths(args.workload, args.steps + args.profile, lengths, args.scale, args.nproc)
-    print(f"# {args.model} / {args.workload} on {args.nproc} ranks: {' '.join(sys.argv)}", flush=True)
+    print(f"# {args.model} / {args.workload} on {args.nproc} ranks"
+          + (f", LoRA adapters of rank {args.lora}" if args.lora else "") + f": {' '.join(sys.argv)}", flush=True)
     args.flop_terms = model_flop_terms(args.model)
     args.peak_tflops = measure_peak_tflops()
     n, layers, d_attn = args.flop_terms

@@ -3,6 +3,7 @@
 
     python benchmarks/grpo.py --out runs/grpo                 # one GPU: Qwen2-1.5B shape, random init, bf16
     python benchmarks/grpo.py --out runs/grpo-cpu --model tiny   # CPU smoke run (a minute)
+    python benchmarks/grpo.py --out runs/grpo-lora --lora 16     # LoRA adapters (peft_config), the base frozen
 
 Each mode runs in its own process group (``--ranks`` ranks; clean memory, its own DeepSpeed engine) on the same
 random-init model and the same rollouts: ``--prompts`` prompts x ``--generations`` completions per optimizer step,
@@ -82,6 +83,9 @@ def parse_args(argv=None):
     p.add_argument("--loss-type", default="dapo")
     p.add_argument("--beta", type=float, default=0.0, help="KL coefficient (> 0 adds the reference model)")
     p.add_argument("--num-iterations", type=int, default=1)
+    p.add_argument("--lora", type=int, default=None, metavar="RANK",
+                   help="train LoRA adapters of this rank on every linear layer but the LM head (peft_config); the "
+                        "reference model (--beta > 0) is then the base model, adapters disabled")
     p.add_argument("--steps", type=int, default=3, help="optimizer steps per mode, warm-up included")
     p.add_argument("--warmup", type=int, default=1)
     p.add_argument("--seed", type=int, default=0)
@@ -240,6 +244,10 @@ def run_worker(args) -> dict:
         kwargs["rollout_func"] = scripted
     if mode != "stock":
         kwargs["padding_free"] = mode == "odc-packed"
+    if args.lora:
+        from peft import LoraConfig
+        kwargs["peft_config"] = LoraConfig(r=args.lora, lora_alpha=2 * args.lora, lora_dropout=0.0,
+                                           target_modules="all-linear")
     timer = StepTimer()
     trainer = cls(model, callbacks=[timer], **kwargs)
     apply_grpo_kernels(trainer.model, kernels, args.compile_backend)
@@ -339,8 +347,9 @@ def orchestrate(args) -> int:
 def _worker_args(args) -> list[str]:
     keys = ("out", "model", "ranks", "rollout", "prompts", "generations", "prompt_len", "min_completion",
             "max_completion", "per_device_batch", "loss_type", "beta", "num_iterations", "steps", "warmup", "seed",
-            "compile_backend")
-    return [x for k in keys for x in (f"--{k.replace('_', '-')}", str(getattr(args, k)))]
+            "compile_backend", "lora")
+    given = [(k, getattr(args, k)) for k in keys if getattr(args, k) is not None]
+    return [x for k, value in given for x in (f"--{k.replace('_', '-')}", str(value))]
 
 
 def report(results: dict, args) -> str:
@@ -348,8 +357,9 @@ def report(results: dict, args) -> str:
     stock = results.get("stock", {})
     lines = [f"{args.model} shape, {args.ranks} rank(s), {args.prompts} prompts x {args.generations} completions per "
              f"step, completions {min(lengths)}-{max(lengths)} tokens (median {sorted(lengths)[len(lengths) // 2]}), "
-             f"{args.rollout} rollout, loss {args.loss_type}, beta {args.beta}; means over {args.steps - args.warmup} "
-             f"timed steps", "",
+             f"{args.rollout} rollout, loss {args.loss_type}, beta {args.beta}"
+             + (f", LoRA adapters of rank {args.lora} (base model frozen)" if args.lora else "")
+             + f"; means over {args.steps - args.warmup} timed steps", "",
              "| mode | training s/step | training vs stock | training vs eager | step s | step vs stock | "
              "rollout s | peak GiB | microbatches per rank |", "|---|---|---|---|---|---|---|---|---|"]
     for mode, r in results.items():

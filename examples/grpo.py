@@ -11,6 +11,7 @@ CPU, 2 ranks (seconds):
     .venv/bin/torchrun --standalone --nproc_per_node 2 examples/grpo.py
     .venv/bin/accelerate launch --config_file ds_configs/accelerate_zero3_odc_cpu.yaml examples/grpo.py
     .venv/bin/torchrun --standalone --nproc_per_node 2 examples/grpo.py --no-odc     # stock GRPOTrainer + stock ZeRO-3
+    .venv/bin/torchrun --standalone --nproc_per_node 2 examples/grpo.py --lora 8     # LoRA adapters (needs peft)
 GPU, one node (Qwen2-1.5B shape, bf16):
     .venv/bin/accelerate launch --config_file ds_configs/accelerate_zero3_odc.yaml examples/grpo.py --preset 1.5b
 
@@ -58,6 +59,8 @@ def parse_args():
     p.add_argument("--residency", default="auto", choices=["auto", "full", "block"],
                    help="generation: keep the read parameters for the whole generate call (full) or read per block")
     p.add_argument("--output-dir", help="where the trainer writes (default: a temporary folder, removed at the end)")
+    p.add_argument("--lora", type=int, default=None, metavar="RANK",
+                   help="train LoRA adapters of this rank (peft_config; every linear layer but the LM head)")
     p.add_argument("--shared-gpu", action="store_true",
                    help="every rank on one GPU (torch.distributed over gloo): several ranks on a one-GPU machine, for correctness, not speed")
     p.add_argument("--local_rank", type=int, default=None)
@@ -100,6 +103,14 @@ def build_model(args, preset, tokenizer, dtype):
     return AutoModelForCausalLM.from_config(config, dtype=dtype)
 
 
+def lora_config(rank: int | None):
+    """LoRA adapters of ``rank`` on every linear layer but the LM head (``None``: train the whole model)."""
+    if not rank:
+        return None
+    from peft import LoraConfig
+    return LoraConfig(r=rank, lora_alpha=2 * rank, lora_dropout=0.0, target_modules="all-linear")
+
+
 def main():
     args = parse_args()
     preset = PRESETS[args.preset]
@@ -136,7 +147,8 @@ def main():
     model = build_model(args, preset, tokenizer, torch.bfloat16 if on_gpu else torch.float32)
     rewards = [correct_sum, make_short_reward(args.max_new_tokens)]
     data = sums_dataset(4096)
-    common = dict(reward_funcs=rewards, args=config, train_dataset=data, processing_class=tokenizer)
+    common = dict(reward_funcs=rewards, args=config, train_dataset=data, processing_class=tokenizer,
+                  peft_config=lora_config(args.lora))
     trainer = OdcGRPOTrainer(model, max_tokens_per_microbatch=args.max_tokens, generation_residency=args.residency,
                              **common)
     if not trainer.odc and args.odc and not accelerate_config:

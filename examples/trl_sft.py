@@ -4,6 +4,7 @@ CPU (tiny random model, a character tokenizer built in code, synthetic prompt/co
     .venv/bin/torchrun --standalone --nproc_per_node 2 examples/trl_sft.py
     .venv/bin/torchrun --standalone --nproc_per_node 2 examples/trl_sft.py --no-odc    # stock SFTTrainer + ZeRO-3
     .venv/bin/accelerate launch --config_file ds_configs/accelerate_zero3_odc_cpu.yaml examples/trl_sft.py
+    .venv/bin/torchrun --standalone --nproc_per_node 2 examples/trl_sft.py --lora 8    # LoRA adapters (needs peft)
 
 ``OdcSFTTrainer`` is ``OdcTrainer`` + ``SFTTrainer``: each microbatch is collated by SFT's own collator (prompts
 masked, padding-free rows), and the metrics SFTTrainer logs (entropy, mean_token_accuracy, num_tokens) are the values
@@ -32,6 +33,8 @@ def parse_args():
     p.add_argument("--per-device-batch", type=int, default=4)
     p.add_argument("--grad-accum", type=int, default=2)
     p.add_argument("--max-tokens", type=int, default=512, help="token budget per microbatch")
+    p.add_argument("--lora", type=int, default=None, metavar="RANK",
+                   help="train LoRA adapters of this rank (peft_config; every linear layer but the LM head)")
     p.add_argument("--num-samples", type=int, default=256)
     p.add_argument("--output-dir", help="where the trainer writes (default: a temporary folder, removed at the end)")
     p.add_argument("--shared-gpu", action="store_true",
@@ -50,6 +53,14 @@ def synthetic_pairs(n: int, seed: int = 0):
         prompts.append("Q: " + " ".join(rng.choices(words, k=rng.randint(2, 6))) + "\nA:")
         completions.append(" " + " ".join(rng.choices(words, k=min(60, max(1, int(rng.lognormvariate(1.5, 0.9)))))))
     return Dataset.from_dict({"prompt": prompts, "completion": completions})
+
+
+def lora_config(rank: int | None):
+    """LoRA adapters of ``rank`` on every linear layer but the LM head (``None``: train the whole model)."""
+    if not rank:
+        return None
+    from peft import LoraConfig
+    return LoraConfig(r=rank, lora_alpha=2 * rank, lora_dropout=0.0, target_modules="all-linear")
 
 
 def main():
@@ -83,12 +94,12 @@ def main():
         activation_checkpointing=True, deepspeed=deepspeed_config,  # what SFTConfig defaults to
     )
     data = synthetic_pairs(args.num_samples)
+    common = dict(train_dataset=data, processing_class=tokenizer, peft_config=lora_config(args.lora))
     if args.odc or accelerate_config:  # OdcSFTTrainer defers to SFTTrainer when the config has no odc
         from ds_odc.integrations.trl_sft import OdcSFTTrainer
-        trainer = OdcSFTTrainer(model, config, train_dataset=data, processing_class=tokenizer,
-                                max_tokens_per_microbatch=args.max_tokens)
+        trainer = OdcSFTTrainer(model, config, max_tokens_per_microbatch=args.max_tokens, **common)
     else:
-        trainer = SFTTrainer(model, config, train_dataset=data, processing_class=tokenizer)
+        trainer = SFTTrainer(model, config, **common)
         match_accelerate_backend(trainer.args)  # gathers over gloo when the ranks share a GPU (--shared-gpu)
     result = trainer.train()
     if trainer.is_world_process_zero():

@@ -91,12 +91,15 @@ def packed_attention(model):
 
 
 def score_completions(model, row: PackedCompletions, compute_entropy: bool = False,
-                      autocast=contextlib.nullcontext) -> tuple[list[torch.Tensor], list[torch.Tensor] | None]:
+                      autocast=contextlib.nullcontext, router_loss: bool = False,
+                      ) -> tuple[list[torch.Tensor], list[torch.Tensor] | None, torch.Tensor | None]:
     """Each completion's per-token log-probabilities (and entropies) under ``model``, a causal LM with TRL's fused
-    LM head; one forward of the packed row."""
+    LM head, and with ``router_loss`` a MoE model's router auxiliary loss over the row's tokens (else ``None``); one
+    forward of the packed row."""
+    extra = {"output_router_logits": True} if router_loss else {}
     with packed_attention(model), autocast():
-        outputs = model(**row.inputs, fused_lm_head=True)
+        outputs = model(**row.inputs, fused_lm_head=True, **extra)
     logps = outputs.log_probs.reshape(-1)
     entropy = outputs.entropy.reshape(-1) if compute_entropy else None
     cut = lambda x: [x[s:s + n] for s, n in zip(row.starts, row.lengths)]  # noqa: E731
-    return cut(logps), (cut(entropy) if compute_entropy else None)
+    return cut(logps), (cut(entropy) if compute_entropy else None), (outputs.aux_loss if router_loss else None)

@@ -35,7 +35,8 @@ ACCELERATE_PRIVATES = {
     "GradientState._set_sync_gradients": "the Trainer's loop sets it per microbatch; under ODC one Trainer step runs a "
                                          "whole optimizer step, so the trainers set it around their own microbatches",
 }
-# Written, not only read: accelerate.PartialState.backend (see match_accelerate_backend).
+# Written, not only read: accelerate.PartialState.backend (see match_accelerate_backend); a MoE causal LM's
+# router_aux_loss_coef (public, read by its forward; scaled per microbatch: _runner.router_loss_weight).
 # trl.GRPOTrainer
 TRL_GRPO_PRIVATES = {
     "_generate_single_turn": "overridden: generation runs inside lockstep_free instead of TRL's full-model gather",
@@ -50,14 +51,20 @@ TRL_GRPO_PRIVATES = {
     "_step": "TRL's microstep counter, which decides when to generate: advanced once per Trainer microstep",
     "_tokenizer": "read: the pad token of the microbatches ODC collates",
     "_is_vlm": "read: vision-language models are refused (their image inputs are not moved between ranks)",
+    "aux_loss_enabled": "off while TRL's loss runs on a group of samples: the MoE router loss is the microbatch's, "
+                        "added once per microbatch (public, but TRL's loss reads it: listed so a rename fails early)",
+    "router_aux_loss_coef": "read: the weight of the MoE router loss that ODC adds per microbatch",
 }
 # trl.SFTTrainer
 # Set by the trainers' __init__: checked on the built trainer (check_trl_instance), not at import.
-INSTANCE_ATTRIBUTES = ("_metrics", "_step", "_tokenizer", "_is_vlm", "_total_train_tokens")
+INSTANCE_ATTRIBUTES = ("_metrics", "_step", "_tokenizer", "_is_vlm", "_total_train_tokens", "aux_loss_enabled",
+                       "router_aux_loss_coef")
 
 TRL_SFT_PRIVATES = {
     "_metrics": "redirected while ODC trains a step: TRL's metrics are combined over ranks once, at the step",
     "_total_train_tokens": "the running token count TRL logs as num_tokens, set from all ranks' tokens at the step",
+    "router_aux_loss_coef": "scaled while a microbatch's loss is computed: SFTTrainer adds the MoE router loss once "
+                            "per microbatch, which ODC weighs by the microbatch's share of the step's samples",
 }
 
 

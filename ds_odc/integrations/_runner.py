@@ -42,6 +42,19 @@ transformer blocks or swapping in fused kernels hooks into :meth:`PackRunner.pre
 and :meth:`OdcRunner.forward_backward` (every microbatch's forward and backward run inside it).
 
 Busy time is :mod:`ds_odc.training.metrics`' definition: the step's wall time less the wait at ODC's fence.
+
+[Note: per-microbatch means]
+Most of a step's loss is a sum over samples or tokens, which ODC splits over any microbatches exactly. A term that is a
+mean over one microbatch is not: the MoE router's auxiliary (load-balancing) loss multiplies, per expert, the share of
+the microbatch's tokens routed to it by its mean router probability over those tokens. Stock adds it once per
+microbatch, each of its ``W * gas`` microbatches of ``B`` samples weighted alike (TRL: ``coef * aux / gas``, before
+ZeRO's average over the ``W`` ranks). Under ODC a microbatch of ``n`` of the step's ``G`` samples stands for ``n / B``
+stock microbatches, so it gets their weight: ``coef * aux * W * n / G`` (:attr:`Microbatch.sample_share` is ``n / G``;
+a slice of a sample split over ``g`` ranks counts ``1 / g``). Where ODC's microbatches are stock's (one sample per
+microbatch on both sides, or the same groups) this is stock's loss; where LB-Mini groups other samples together, each
+microbatch's term is still the model's own definition over that microbatch, and only the grouping differs (the term is
+not additive over samples, so no regrouping reproduces stock's). The logged ``aux_loss`` is the same weighted mean,
+per stock microbatch: each sample contributes the term of the microbatch that trained it.
 """
 
 from __future__ import annotations
@@ -79,8 +92,9 @@ from ds_odc.zero.engine import tag_minibatch
 logger = logging.get_logger(__name__)
 
 __all__ = ["Microbatch", "MinibatchPosition", "StepTimes", "StepRunner", "OdcRunner", "PackRunner", "RunsOdcSteps",
-           "balancer_options", "with_split_policy", "odc_enabled", "deepspeed_config_of", "one_pack_per_step",
-           "BALANCER_STATE_NAME", "resolve_checkpoint", "save_balancer_state", "load_balancer_state"]
+           "balancer_options", "with_split_policy", "underlying_model", "router_loss_weight", "odc_enabled",
+           "deepspeed_config_of", "one_pack_per_step", "BALANCER_STATE_NAME", "resolve_checkpoint",
+           "save_balancer_state", "load_balancer_state"]
 
 BALANCER_STATE_NAME = "ds_odc_balancer.json"  # in every checkpoint folder: where the balancer stands
 
@@ -164,6 +178,15 @@ class Microbatch:
     step_label_tokens: int | None = None
     step_samples: int | None = None
     split: Any = None
+
+    @property
+    def sample_share(self) -> float:
+        """This microbatch's share of the step's samples (a split sample's slice counts ``1 / g`` of it): how much a
+        per-microbatch mean computed on it weighs in the step (see [Note: per-microbatch means])."""
+        if not self.step_samples:
+            raise RuntimeError("ds_odc: this microbatch does not know how many samples its step trains")
+        samples = 1.0 / len(self.split.ranks) if self.split is not None else float(len(self.sample_ids))
+        return samples / self.step_samples
 
 
 @dataclass(frozen=True)
@@ -329,9 +352,12 @@ class PackRunner(OdcRunner):
             model.set_attn_implementation(target)
             logger.info(f"ds_odc: attention {current} -> {target} for packed rows")
         wants_logits = trainer.label_smoother is not None or trainer.compute_loss_func is not None
-        if loss_chunk_tokens and not wants_logits and "forward" not in vars(model):
+        # Under PEFT the adapters live inside the base model's layers and the PeftModel's forward calls the base
+        # model's: the chunked loss replaces the base model's forward (or keeps TRL's fused LM head there).
+        base = underlying_model(model)
+        if loss_chunk_tokens and not wants_logits and "forward" not in vars(base):
             try:
-                use_chunked_loss(model, chunk_tokens=loss_chunk_tokens)
+                use_chunked_loss(base, chunk_tokens=loss_chunk_tokens)
             except ValueError as e:  # not a plain causal LM: keep its own loss
                 logger.info(f"ds_odc: keeping the model's own loss ({e})")
 
@@ -516,6 +542,30 @@ class PackRunner(OdcRunner):
             return
         self.pack_sampler.resume(state)
         logger.info(f"ds_odc: balancer resumes at epoch {state['epoch']}, minibatch {state['step']}")
+
+
+def underlying_model(model):
+    """The model whose forward computes the loss: a PEFT model's base model (its adapters live inside that model's
+    layers), else ``model`` itself."""
+    from accelerate.utils import is_peft_model
+    return model.get_base_model() if is_peft_model(model) else model
+
+
+@contextlib.contextmanager
+def router_loss_weight(model, factor: float):
+    """Inside the block, a MoE model that adds its router auxiliary loss to its own loss (``output_router_logits``
+    in its config) weighs it ``factor`` times its coefficient (``router_aux_loss_coef``, which Hugging Face's MoE
+    causal LMs read in every forward); any other model is left alone."""
+    base = underlying_model(model)
+    coef = getattr(base, "router_aux_loss_coef", None)
+    if coef is None or not getattr(getattr(base, "config", None), "output_router_logits", False):
+        yield
+        return
+    base.router_aux_loss_coef = coef * factor
+    try:
+        yield
+    finally:
+        base.router_aux_loss_coef = coef
 
 
 def with_split_policy(options: BalancerOptions, model_config) -> BalancerOptions:

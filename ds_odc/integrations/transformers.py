@@ -43,7 +43,7 @@ from ds_odc.integrations._hf_privates import check_transformers, match_accelerat
 from ds_odc.integrations._packs import PackLoader as _PackLoader  # noqa: F401  (the loader's former name here)
 from ds_odc.integrations._runner import (BALANCER_STATE_NAME, Microbatch, PackRunner, RunsOdcSteps, StepRunner,
                                          balancer_options, deepspeed_config_of, odc_enabled, one_pack_per_step,
-                                         with_split_policy)
+                                         router_loss_weight, with_split_policy)
 from ds_odc.training.kernels import training_args_for_kernels
 from ds_odc.training.attention import remember_host_boundaries
 from ds_odc.training.collate import PackedCollator
@@ -130,18 +130,30 @@ class OdcTrainer(RunsOdcSteps, Trainer):
 
     def odc_loss(self, model, mb: Microbatch, return_outputs: bool = False, num_items_in_batch=None):
         """The loss of one microbatch of an ODC step: the stock ``compute_loss`` of its inputs, as a share of the
-        step's global token mean."""
-        out = super().compute_loss(model, mb.inputs, return_outputs=return_outputs,
-                                   num_items_in_batch=num_items_in_batch)
-        if num_items_in_batch is not None or mb.step_label_tokens is None or mb.label_tokens is None:
+        step's global token mean (a MoE model's router loss as a share of the step's samples)."""
+        reweight = num_items_in_batch is None and mb.step_label_tokens is not None and mb.label_tokens is not None
+        scale = 1.0
+        if reweight:
+            # The model averages over this microbatch's tokens only (it takes no num_items_in_batch): reweight it to
+            # its share of the global token mean, times W for ZeRO's averaging over ranks.
+            scale = mb.label_tokens / max(mb.step_label_tokens, 1)
+            if self.args.average_tokens_across_devices:
+                scale *= self.args.world_size
+        # A MoE model adds its router loss once per microbatch: the stock Trainer weighs it alike in every microbatch
+        # of B samples (divided by the accumulation steps when it divides the loss), so this one stands for n / B of
+        # them (see [Note: per-microbatch means] in _runner).
+        if not mb.step_samples:
+            router = 1.0
+        elif reweight:
+            router = self.args.world_size * mb.sample_share / scale if scale else 0.0
+        else:
+            router = mb.sample_share * mb.step_samples / self.args.per_device_train_batch_size
+        with router_loss_weight(self.model, router):
+            out = super().compute_loss(model, mb.inputs, return_outputs=return_outputs,
+                                       num_items_in_batch=num_items_in_batch)
+        if not reweight:
             return out
-        # The model averaged over this microbatch's tokens only (it takes no num_items_in_batch): reweight it to its
-        # share of the global token mean, times W for ZeRO's averaging over ranks.
-        loss = out[0] if return_outputs else out
-        scale = mb.label_tokens / max(mb.step_label_tokens, 1)
-        if self.args.average_tokens_across_devices:
-            scale *= self.args.world_size
-        loss = loss * scale
+        loss = (out[0] if return_outputs else out) * scale
         return (loss, out[1]) if return_outputs else loss
 
     def odc_step_metrics(self, pack, metrics: dict[str, list[float]]) -> None:

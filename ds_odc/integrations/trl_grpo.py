@@ -17,8 +17,11 @@ microbatch (their log-probs taken from the microbatch's one forward), weighted b
 group in its stock microbatch (its share of the rows, or of the loss tokens for ``bnpo``: :data:`LOSS_WEIGHTS`); the
 sum over all ranks is TRL's loss whatever rank trains which sample. TRL's per-token metrics (``kl``, ``entropy``,
 ``clip_ratio/*``, ...) are reconstructed for the stock microbatches too (:mod:`ds_odc.integrations._stock_metrics`),
-so the logs show the curves stock TRL shows. Without ``odc`` in the config every method defers to ``GRPOTrainer``.
-See docs/RL.md.
+so the logs show the curves stock TRL shows. A MoE model's router auxiliary loss, a mean over each microbatch, is
+added once per microbatch, weighted by the microbatch's share of the step's samples (see [Note: per-microbatch
+means] in :mod:`ds_odc.integrations._runner`). LoRA adapters (``peft_config`` or a ``PeftModel``) train as in TRL,
+whose reference model is then the base model with the adapters disabled. Without ``odc`` in the config every method
+defers to ``GRPOTrainer``. See docs/RL.md.
 
 The step, the meeting and the logs are ``OdcTrainer``'s (:mod:`ds_odc.integrations._runner`): the trainer picks its
 runner once, in ``__init__`` (:class:`RolloutRunner` with ODC, TRL's own methods without), and adds what is GRPO's:
@@ -81,9 +84,6 @@ def _refusals(args, trainer_kwargs: dict, options: BalancerOptions) -> list[str]
     if args.entropy_coef != 0.0 or args.use_adaptive_entropy:
         out.append("entropy_coef / use_adaptive_entropy (the entropy bonus is a per-microbatch mean, not yet "
                    "reweighted per sample: set entropy_coef=0.0 and use_adaptive_entropy=False)")
-    if trainer_kwargs.get("peft_config") is not None:
-        out.append("peft_config (PEFT/LoRA adapters are not tested with ODC yet: train without ODC, or merge the "
-                   "adapter into a full fine-tune)")
     if trainer_kwargs.get("tools") or trainer_kwargs.get("environment_factory") is not None:
         out.append("tools / environment_factory (multi-turn tool calls are not tested with ODC yet)")
     if args.steps_per_generation % args.gradient_accumulation_steps:
@@ -134,8 +134,6 @@ class OdcGRPOTrainer(RunsOdcSteps, GRPOTrainer):
             _refuse_options(args, trainer_kwargs, options)
         if generation_residency is not None and generation_residency not in RESIDENCIES:
             raise ValueError(f"ds_odc: generation_residency must be one of {RESIDENCIES}, got {generation_residency!r}")
-        if odc:
-            _refuse_peft_model(model)
         args = training_args_for_kernels(args)  # torch_compile + use_liger_kernel: Liger's layer kernels off
         super().__init__(model, reward_funcs, args, *trainer_args, **trainer_kwargs)
         match_accelerate_backend(self.args)
@@ -174,47 +172,63 @@ class OdcGRPOTrainer(RunsOdcSteps, GRPOTrainer):
         microbatch, weighted as that group counts in its stock microbatch."""
         share: RolloutShare = mb.inputs
         plan, members = share.plan, share.samples
-        logps, entropies = self._odc_completion_logps(model, members)
+        logps, entropies, router_loss = self._odc_completion_logps(model, members)
         kind = LOSS_WEIGHTS[self.loss_type]
         rows = self.args.per_device_train_batch_size
         groups: dict[tuple[int, int], list[int]] = {}
         for i, sample in enumerate(members):
             groups.setdefault(plan.stock_microbatch(sample.gid), []).append(i)
         loss = logps[0].new_zeros(())
-        for (_, slot), index in groups.items():
-            group = [members[i] for i in index]
-            inputs = rollout.collate(group, self._tokenizer.pad_token_id)
-            if share.num_items_in_batch is not None:
-                inputs["num_items_in_batch"] = share.num_items_in_batch
-            width = inputs["completion_ids"].shape[1]
-            mb.metrics.slot = slot
-            # TRL's loss hands its `model` argument to _get_per_token_logps_and_entropies only: the group's log-probs
-            # of the microbatch's forward travel there in its place.
-            served = ServedLogps(_rows([logps[i] for i in index], width), _rows([entropies[i] for i in index], width))
-            term = super()._compute_loss(served, inputs)
-            if kind == "rows":
-                weight = len(group) / rows
-            elif kind == "tokens":
-                weight = (max(int(sum(plan.loss_tokens[s.gid] for s in group)), 1)
-                          / max(plan.stock_microbatch_loss_tokens(group[0].gid), 1))
-            else:
-                weight = 1.0
-            loss = loss + term * weight
+        enabled, self.aux_loss_enabled = self.aux_loss_enabled, False  # a group's loss leaves the router loss out:
+        try:  # the microbatch's is added once, below
+            for (_, slot), index in groups.items():
+                group = [members[i] for i in index]
+                inputs = rollout.collate(group, self._tokenizer.pad_token_id)
+                if share.num_items_in_batch is not None:
+                    inputs["num_items_in_batch"] = share.num_items_in_batch
+                width = inputs["completion_ids"].shape[1]
+                mb.metrics.slot = slot
+                # TRL's loss hands its `model` argument to _get_per_token_logps_and_entropies only: the group's
+                # log-probs of the microbatch's forward travel there in its place.
+                served = ServedLogps(_rows([logps[i] for i in index], width),
+                                     _rows([entropies[i] for i in index], width))
+                term = super()._compute_loss(served, inputs)
+                if kind == "rows":
+                    weight = len(group) / rows
+                elif kind == "tokens":
+                    weight = (max(int(sum(plan.loss_tokens[s.gid] for s in group)), 1)
+                              / max(plan.stock_microbatch_loss_tokens(group[0].gid), 1))
+                else:
+                    weight = 1.0
+                loss = loss + term * weight
+        finally:
+            self.aux_loss_enabled = enabled
+        if router_loss is not None:
+            # A MoE model's router loss over the microbatch, weighted as the stock microbatches it stands for
+            # (TRL: coef * aux / gas per stock microbatch; see [Note: per-microbatch means] in _runner), and logged
+            # as that weighted mean per stock microbatch
+            loss = loss + self.router_aux_loss_coef * router_loss * self.args.world_size * mb.sample_share
+            value = float(router_loss.detach())
+            for (_, slot), index in groups.items():
+                mb.metrics.add_mean("aux_loss", slot, value * len(index), len(index))
         return loss
 
     def _odc_completion_logps(self, model, members: list[rollout.Sample]):
-        """Each sample's completion log-probs and entropies (1-D, its completion length), from one forward."""
+        """Each sample's completion log-probs and entropies (1-D, its completion length), from one forward, and a MoE
+        model's router loss over the microbatch when TRL would add it (else ``None``)."""
         if self.odc_padding_free:
             row = pack_completions([s.prompt_ids for s in members], [s.completion["completion_ids"] for s in members])
-            return score_completions(model, row, compute_entropy=True, autocast=self.accelerator.autocast)
+            return score_completions(model, row, compute_entropy=True, autocast=self.accelerator.autocast,
+                                     router_loss=self.aux_loss_enabled)
         inputs = rollout.collate(members, self._tokenizer.pad_token_id, self.pad_to_multiple_of)
         ids = torch.cat([inputs["prompt_ids"], inputs["completion_ids"]], dim=1)
         mask = torch.cat([inputs["prompt_mask"], inputs["completion_mask"]], dim=1)
-        logps, entropies, _ = super()._get_per_token_logps_and_entropies(model, ids, mask,
-                                                                         inputs["completion_ids"].shape[1],
-                                                                         compute_entropy=True)
+        logps, entropies, router_loss = super()._get_per_token_logps_and_entropies(
+            model, ids, mask, inputs["completion_ids"].shape[1], compute_entropy=True,
+            compute_aux_loss=self.aux_loss_enabled)
         lengths = [len(s.completion["completion_mask"]) for s in members]
-        return [logps[r, :n] for r, n in enumerate(lengths)], [entropies[r, :n] for r, n in enumerate(lengths)]
+        return ([logps[r, :n] for r, n in enumerate(lengths)], [entropies[r, :n] for r, n in enumerate(lengths)],
+                router_loss)
 
     def _get_per_token_logps_and_entropies(self, model, input_ids, attention_mask, logits_to_keep, batch_size=None,
                                            compute_entropy=False, *args, **kwargs):
@@ -241,7 +255,7 @@ class OdcGRPOTrainer(RunsOdcSteps, GRPOTrainer):
             chunk = range(start, min(start + batch_size, rows))
             packed = pack_completions([input_ids[r, :prompt_width][real[r, :prompt_width]] for r in chunk],
                                       [input_ids[r, prompt_width:prompt_width + completion_len[r]] for r in chunk])
-            chunk_logps, chunk_entropies = score_completions(model, packed, compute_entropy=compute_entropy,
+            chunk_logps, chunk_entropies, _ = score_completions(model, packed, compute_entropy=compute_entropy,
                                                              autocast=self.accelerator.autocast)
             if logps is None:
                 logps = chunk_logps[0].new_zeros((rows, logits_to_keep))
@@ -260,23 +274,12 @@ def _refuse_options(args, trainer_kwargs: dict, options: BalancerOptions) -> Non
                          + "; ".join(refused) + ". Change these options or turn ODC off.")
 
 
-def _refuse_peft_model(model) -> None:
-    if not isinstance(model, str):
-        from accelerate.utils import is_peft_model
-        if is_peft_model(model):
-            raise ValueError("ds_odc: OdcGRPOTrainer with zero_optimization.odc does not support a PeftModel "
-                             "(PEFT/LoRA adapters are not tested with ODC yet): train without ODC, or merge the "
-                             "adapter into a full fine-tune")
-
-
 def _refuse_built(trainer: OdcGRPOTrainer) -> None:
-    """What only the built trainer tells: TRL's instance attributes, a vision-language model, the MoE router loss."""
+    """What only the built trainer tells: TRL's instance attributes, a vision-language model."""
     check_trl_instance(trainer, TRL_GRPO_PRIVATES)
-    if trainer._is_vlm or trainer.aux_loss_enabled:
-        raise ValueError("ds_odc: OdcGRPOTrainer with zero_optimization.odc does not support "
-                         + ("vision-language models (their image inputs are not moved between ranks yet)"
-                            if trainer._is_vlm else "the MoE router auxiliary loss (a per-microbatch term: set "
-                            "router_aux_loss_coef=0 or turn output_router_logits off)") + ". Turn ODC off for it.")
+    if trainer._is_vlm:
+        raise ValueError("ds_odc: OdcGRPOTrainer with zero_optimization.odc does not support vision-language models "
+                         "(their image inputs are not moved between ranks yet). Turn ODC off for it.")
     if trainer.ref_model is not None and trainer.args.sync_ref_model:
         raise ValueError("ds_odc: sync_ref_model=True is not tested with ODC yet; set sync_ref_model=False")
 

@@ -13,7 +13,10 @@ the step, with the step's one all-gather, they are recombined for the stock grou
 arguments, fed this minibatch in the plan's order, trains accumulation step ``k`` on its samples
 ``[k * W * B, (k + 1) * W * B)`` (``B = per_device_train_batch_size``, ``W`` ranks). So the logged values equal stock's
 (:mod:`ds_odc.integrations._stock_metrics`). The loss and gradients are untouched: SFTTrainer normalises by
-``num_items_in_batch``, which ``OdcTrainer`` makes the global label-token count.
+``num_items_in_batch``, which ``OdcTrainer`` makes the global label-token count. A MoE model's router auxiliary loss,
+a mean over each microbatch, is weighted by the share of the step's samples the microbatch holds, and logged
+(``aux_loss``) as that weighted mean per stock microbatch (see [Note: per-microbatch means] in
+:mod:`ds_odc.integrations._runner`).
 """
 
 from __future__ import annotations
@@ -51,14 +54,18 @@ class OdcSFTTrainer(OdcTrainer, SFTTrainer):
             check_trl_instance(self, TRL_SFT_PRIVATES)
 
     def odc_loss(self, model, mb: Microbatch, return_outputs=False, num_items_in_batch=None):
-        logged, tokens = self._metrics["train"], self._total_train_tokens
+        logged, tokens, coef = self._metrics["train"], self._total_train_tokens, self.router_aux_loss_coef
         self._metrics["train"] = defaultdict(list)
+        # SFTTrainer adds the MoE router loss once per microbatch, over its accumulation steps (1 under ODC): weigh it
+        # as the stock microbatches this one stands for (see [Note: per-microbatch means] in _runner)
+        self.router_aux_loss_coef = coef * self.args.world_size * mb.sample_share
         try:
             with rank_local_collectives(self.accelerator), _forward_outputs(self.model) as outputs:
                 out = super().odc_loss(model, mb, return_outputs, num_items_in_batch)
             scratch = self._metrics["train"]
         finally:
             self._metrics["train"], self._total_train_tokens = logged, tokens
+            self.router_aux_loss_coef = coef
         self._odc_record(mb, outputs[-1], scratch)
         return out
 
@@ -76,9 +83,13 @@ class OdcSFTTrainer(OdcTrainer, SFTTrainer):
         for (entropy, correct, valid), slot in zip(sums.T.tolist(), mb.slots):
             metrics.add_mean("entropy", slot, entropy, valid)
             metrics.add_mean("mean_token_accuracy", slot, correct, valid)
+        weight = 1.0 / len(mb.split.ranks) if mb.split is not None else 1.0  # a split sample's slice: its share
+        for value in scratch.get("aux_loss", ()):  # the microbatch's router loss, for each of its samples
+            for slot in mb.slots:
+                metrics.add_mean("aux_loss", slot, value * weight, weight)
         metrics.slot = 0
-        for name, values in scratch.items():  # anything else SFTTrainer logs (the MoE aux loss): mean over ranks
-            if name not in RECONSTRUCTED:
+        for name, values in scratch.items():  # anything else SFTTrainer logs: mean over ranks
+            if name not in RECONSTRUCTED and name != "aux_loss":
                 for value in values:
                     metrics.add(name, value)
 

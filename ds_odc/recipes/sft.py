@@ -82,6 +82,9 @@ def sft_argument_parser(description: str | None = None, deepspeed_config: bool =
                         "math); default: all. cuDNN plans each new sequence length on the host, which variable lengths "
                         "pay for")
     p.add_argument("--gradient-checkpointing", action="store_true")
+    p.add_argument("--lora", type=int, default=None, metavar="RANK",
+                   help="train LoRA adapters of this rank on every linear layer but the LM head (PEFT; the base "
+                        "model frozen)")
     p.add_argument("--kernels", default="eager", choices=KERNEL_CHOICES,
                    help="eager: the model as written; compiled: every transformer block through torch.compile "
                         "(dynamic lengths, hooks outside); fused: Liger's kernels (needs liger-kernel and a GPU); "
@@ -166,7 +169,9 @@ def kernels_from_args(args: argparse.Namespace) -> Kernels:
 
 def prepare_model(model: torch.nn.Module, args: argparse.Namespace) -> torch.nn.Module:
     """The model options of the flags: attention kernel and sdpa backends, the loss (chunked, or Liger's fused
-    cross-entropy), activation checkpointing, compiled blocks. Before ``deepspeed.initialize`` / ``fully_shard``."""
+    cross-entropy), activation checkpointing, compiled blocks, LoRA adapters (then the model returned is a
+    ``PeftModel`` around ``model``, whose layers hold the adapters). Before ``deepspeed.initialize`` /
+    ``fully_shard``."""
     attention.use_kernel(model, args.attention_kernel)
     attention.limit_sdpa_backends(model, args.sdpa_backends)
     kernels = kernels_from_args(args)
@@ -175,6 +180,10 @@ def prepare_model(model: torch.nn.Module, args: argparse.Namespace) -> torch.nn.
     if args.gradient_checkpointing:
         model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
     apply_kernels(model, kernels)
+    if getattr(args, "lora", None):
+        from peft import LoraConfig, get_peft_model  # the adapters go into the model's layers (in place)
+        model = get_peft_model(model, LoraConfig(r=args.lora, lora_alpha=2 * args.lora, lora_dropout=0.0,
+                                                 target_modules="all-linear"))
     return model
 
 

@@ -105,8 +105,9 @@ def chunked_causal_lm_loss(hidden_states: torch.Tensor, lm_head: torch.nn.Module
 
 def use_chunked_loss(model: torch.nn.Module, chunk_tokens: int = DEFAULT_CHUNK_TOKENS) -> torch.nn.Module:
     """Make a Hugging Face causal LM compute its *training* loss with :func:`chunked_causal_lm_loss`: when called in
-    training mode with ``labels`` (or ``shift_labels``) it returns the loss and ``logits=None``. In eval mode, or
-    without labels, it is the model's own forward. Returns the model (changed in place)."""
+    training mode with ``labels`` (or ``shift_labels``) it returns the loss and ``logits=None``. In eval mode, without
+    labels, or asked for a MoE model's router logits, it is the model's own forward (whose loss includes the router
+    loss). Returns the model (changed in place); refuses a model whose config adds the router loss always."""
     config = getattr(model, "config", None)
     decoder = model.get_decoder() if hasattr(model, "get_decoder") else None
     head = model.get_output_embeddings() if hasattr(model, "get_output_embeddings") else None
@@ -120,6 +121,9 @@ def use_chunked_loss(model: torch.nn.Module, chunk_tokens: int = DEFAULT_CHUNK_T
     if "forward" in vars(model):
         raise ValueError("use_chunked_loss: this model's forward is already replaced (by another library's fused "
                          "LM head?); keep that one")
+    if getattr(config, "output_router_logits", False):
+        raise ValueError(f"use_chunked_loss: {type(model).__name__} adds its MoE router loss to its loss "
+                         "(output_router_logits), which the chunked loss would leave out")
     model.forward = types.MethodType(_chunked_forward, model)
     model.ds_odc_loss_chunk_tokens = chunk_tokens
     return model
@@ -127,7 +131,7 @@ def use_chunked_loss(model: torch.nn.Module, chunk_tokens: int = DEFAULT_CHUNK_T
 
 def _chunked_forward(self, input_ids=None, labels=None, *args, shift_labels=None, num_items_in_batch=None,
                      ignore_index: int = IGNORE_INDEX, **kwargs):
-    if not self.training or (labels is None and shift_labels is None) or args:
+    if not self.training or (labels is None and shift_labels is None) or args or kwargs.get("output_router_logits"):
         return type(self).forward(self, input_ids, *args, labels=labels, num_items_in_batch=num_items_in_batch,
                                   **({"shift_labels": shift_labels} if shift_labels is not None else {}), **kwargs)
     from transformers.modeling_outputs import CausalLMOutputWithPast

@@ -1,0 +1,139 @@
+"""PEFT LoRA adapters in OdcTrainer, OdcSFTTrainer and OdcGRPOTrainer with gradient checkpointing, against the stock
+trainer with stock ZeRO-3 (see lora_worker.py): adapters and logged values within the bound of ``_tolerance.py``
+(stock's own distance from float64), only adapter gradients pushed, adapters saved and resumed exactly, GRPO's
+reference model the base model (adapters disabled) as in TRL."""
+
+from __future__ import annotations
+
+import os
+
+import pytest
+
+from _support.launch import launch
+from _tolerance import assert_caught, assert_within, compare, compare_logs
+
+pytest.importorskip("peft")
+pytest.importorskip("trl")
+
+WORKER = os.path.join(os.path.dirname(__file__), "lora_worker.py")
+GRPO_SCALES = {"loss": 1.0, "kl": 1.0}  # sums of order-1 terms that nearly cancel: their rounding is their terms'
+NOT_COMPARED = ("epoch", "step", "learning_rate")
+
+
+@pytest.fixture(scope="module")
+def two_ranks():
+    return launch(WORKER, 2, ["trainer,sft,grpo"], timeout=600).check().result
+
+
+@pytest.fixture(scope="module")
+def three_ranks():
+    return launch(WORKER, 3, ["sft"], timeout=300).check().result
+
+
+def logged_keys(logs: dict, *runs: str) -> list[str]:
+    return sorted({k for run in runs for entry in logs[run] for k in entry} - set(NOT_COMPARED))
+
+
+def check_equal_to_stock(case: dict, run: str = "odc", scales: dict | None = None) -> None:
+    assert case["fp64_dtype"] == "torch.float64"
+    logs = case["logs"]
+    assert len(logs[run]) == len(logs["stock"]) == 4
+    assert_within(compare(f"{run} adapters", case["adapters"][run], case["adapters"]["fp64"]),
+                  *compare_logs(run, logs[run], logs["stock"], logs["fp64"], logged_keys(logs, run, "stock"),
+                                scales=scales))
+
+
+def check_only_adapters_pushed(pushes: dict) -> None:
+    # Every trainable parameter (the adapters) pushed its gradients, and nothing else did; the accumulator peers push
+    # into holds exactly this rank's shards of the adapters, while the frozen base model is read, never written.
+    assert pushes["pushed"] == pushes["trainable"], (pushes["pushed"], pushes["trainable"])
+    assert pushes["trainable"] and all("lora_" in name for name in pushes["trainable"]), pushes["trainable"]
+    assert pushes["accumulator"] == pushes["trainable_shards"], pushes
+    assert pushes["frozen_shards"] > 10 * pushes["accumulator"], pushes
+
+
+def uneven(counts: list[list]) -> bool:
+    return any(len(set(step)) > 1 for step in counts)
+
+
+# -- OdcTrainer --------------------------------------------------------------------------------------------------------
+def test_trainer_adapters_equal_stock(two_ranks):
+    case = two_ranks["trainer"]
+    assert case["optimizer"] == "OdcOptimizer" and case["stock_moved"] > 1e-2, case["stock_moved"]
+    assert case["chunked_loss_on_base_model"]  # OdcTrainer's chunked loss sits under the PeftModel
+    assert uneven(case["microbatches"]), case["microbatches"]
+    check_equal_to_stock(case)
+
+
+def test_trainer_planted_error_is_caught(two_ranks):
+    case = two_ranks["trainer"]  # one microbatch of rank 0 weighted 1.5 instead of 1
+    assert_caught(compare("planted adapters", case["adapters"]["planted"], case["adapters"]["fp64"]))
+
+
+def test_trainer_pushes_adapter_gradients_only(two_ranks):
+    check_only_adapters_pushed(two_ranks["trainer"]["pushes"])
+
+
+def test_trainer_saves_the_trained_adapters(two_ranks):
+    saved = two_ranks["trainer"]["saved"]
+    assert saved["keys_match"] and saved["max_abs_diff"] == 0.0, saved
+
+
+def test_trainer_resumes_adapters_exactly(two_ranks):
+    out = two_ranks["trainer"]["resume"]
+    assert out["started_elsewhere"] > 0.1  # the resumed trainer's adapters began elsewhere: the checkpoint won
+    assert out["losses"][1] == out["losses"][0], out["losses"]
+    assert out["adapters"] == 0.0, out
+
+
+# -- OdcSFTTrainer -----------------------------------------------------------------------------------------------------
+@pytest.mark.parametrize("ranks", ["two_ranks", "three_ranks"])
+def test_sft_adapters_and_logs_equal_stock(ranks, request):
+    case = request.getfixturevalue(ranks)["sft"]
+    assert case["optimizer"] == "OdcOptimizer" and case["lora_b_norm"] > 1e-2
+    assert uneven(case["microbatches"]), case["microbatches"]
+    assert {"loss", "grad_norm", "entropy", "mean_token_accuracy", "num_tokens"} <= set(case["logs"]["odc"][0])
+    check_equal_to_stock(case)
+    check_only_adapters_pushed(case["pushes"])
+
+
+# -- OdcGRPOTrainer ----------------------------------------------------------------------------------------------------
+@pytest.mark.parametrize("variant", ["packed", "padded"])
+def test_grpo_adapters_and_logs_equal_stock(two_ranks, variant):
+    case = two_ranks["grpo"]
+    assert case["lora_b_norm"] > 1e-2
+    assert uneven(case["microbatches"][variant]), case["microbatches"][variant]
+    # The reference model is the base model with the adapters disabled, as in TRL: no copy is built, and the KL to it
+    # (which grows once the adapters move) equals stock's at every step.
+    assert case["ref_model"] == [True] * 4
+    assert max(entry["kl"] for entry in case["logs"]["stock"]) > 1e-6
+    check_equal_to_stock(case, variant, scales=GRPO_SCALES)
+    check_only_adapters_pushed(case["pushes"][variant])
+
+
+def test_grpo_resumes_adapters_exactly(two_ranks):
+    out = two_ranks["grpo"]["resume"]
+    assert out["losses"][1] == out["losses"][0], out["losses"]
+    assert out["adapters"] == 0.0, out
+
+
+# -- the command line: examples/sft.py (benchmarks/e2e.py's SFT path) --------------------------------------------------
+ROOT = os.path.join(os.path.dirname(__file__), "..", "..")
+
+
+def test_sft_recipe_trains_adapters(tmp_path):
+    """examples/sft.py --lora on 2 CPU ranks: ODC with LB-Mini logs stock ZeRO-3's losses (lb-micro, the same
+    minibatches), with gradient checkpointing."""
+    import json
+    losses = {}
+    for config, planner in (("zero3_odc_fp32_cpu", "lb-mini"), ("zero3_fp32_cpu", "lb-micro")):
+        metrics = tmp_path / f"{planner}.json"
+        launch(os.path.join(ROOT, "examples", "sft.py"), 2, [
+            "--deepspeed", os.path.join(ROOT, "ds_configs", f"{config}.json"), "--balancer", planner,
+            "--length-scale", "0.004", "--max-tokens", "60", "--oversize", "truncate", "--minibatch-size", "4",
+            "--num-samples", "48", "--steps", "3", "--lora", "4", "--gradient-checkpointing", "--quiet",
+            "--metrics-json", str(metrics)], timeout=180).check()
+        losses[planner] = [step["loss"] for step in json.loads(metrics.read_text())["steps"]]
+    assert len(losses["lb-mini"]) == 3
+    assert max(abs(a - b) for a, b in zip(losses["lb-mini"], losses["lb-micro"])) <= 1e-5, losses
+
