@@ -130,15 +130,15 @@ def logs_reference(stock: list[dict], fp64: list[dict], scales: dict[str, float]
     return max(logged_distance(stock, fp64, k, scales.get(k, default_scale)) for k in sorted(set().union(*stock)))
 
 
-def compare_logs(what: str, logs: list[dict], stock: list[dict], fp64: list[dict],
+def compare_logs(what: str, logs: list[dict], stock: list[dict], fp64: list[dict], keys=None, *,
                  scales: dict[str, float] | None = None, default_scale: float = 0.0,
                  reference: float | None = None) -> list[Comparison]:
     """Every value ``logs`` or ``stock`` log, at every step: ``logs`` (the run under test) against ``stock``, with
     one reference for all: ``reference``, by default :func:`logs_reference` of ``stock`` and ``fp64``. ``scales``:
     per key, the smallest size a difference is taken relative to (``default_scale`` for the others), for values that
-    sit near 0."""
+    sit near 0. ``keys``: only these values (default: every one either run logs)."""
     scales = scales or {}
-    keys = sorted(set().union(*logs, *stock))
+    keys = sorted(set().union(*logs, *stock)) if keys is None else sorted(keys)
     if reference is None:
         reference = logs_reference(stock, fp64, scales, default_scale)
     return [compare(f"{what}: logged {k!r}", logged_distance(logs, stock, k, scales.get(k, default_scale)),

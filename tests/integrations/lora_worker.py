@@ -4,7 +4,7 @@ test_lora.py through ``_support.launch.launch``.
 Each scenario trains a tiny model's LoRA adapters (a frozen base model; gradient checkpointing on) three ways: the ODC
 trainer (LB-Mini, uneven microbatch counts), the stock trainer with stock ZeRO-3 fed the same minibatches, and the
 stock trainer in float64 without DeepSpeed (DDP on the same ranks), whose distance from stock is the reference of the
-bounds (``_tolerance.py``). It records which parameters ODC pushed gradients for, and the size of ODC's gradient
+bounds (``tests/_support/tolerance.py``). It records which parameters ODC pushed gradients for, and the size of ODC's gradient
 accumulator. fp32, SGD (Adam where a resume must restore optimizer state).
 
 Usage: lora_worker.py SCENARIO[,SCENARIO...] (trainer, sft, grpo); rank 0 prints one ODC_RESULT line.
@@ -25,7 +25,8 @@ HERE = os.path.dirname(__file__)
 sys.path.insert(0, HERE)
 sys.path.insert(0, os.path.join(HERE, "..", "zero"))
 from _hf_workload import ds_config, logged, shared_tmpdir, tiny_llama, token_dataset, training_args  # noqa: E402
-from _tolerance import plant_wrong_weight, without_deepspeed  # noqa: E402
+from _hf_workload import without_deepspeed  # noqa: E402
+from _support.tolerance import plant_wrong_weight  # noqa: E402
 from _workload import flat, full_params, rel_diff  # noqa: E402
 from worker import init_ranks  # noqa: E402
 

@@ -5,7 +5,7 @@ The router auxiliary loss (Switch Transformer's load-balancing loss) is a per-mi
 the microbatch's tokens routed to each expert times its mean router probability. Where ODC's microbatches are stock's
 (one sample per microbatch: stock with ``per_device_train_batch_size=1``; ODC with one sample per microbatch, whether
 LB-Mini gives the ranks different counts or ``local-sort`` the same), the runs must be equal, within the bound of
-``_tolerance.py`` (stock's own distance from float64). Where LB-Mini packs other samples together than stock does,
+``tests/_support/tolerance.py`` (stock's own distance from float64). Where LB-Mini packs other samples together than stock does,
 the auxiliary term differs by definition; those runs are measured (``grouping``), not bounded.
 
 The model has 8 experts, 2 per token, and short samples: in most microbatches some expert receives no token, whose
@@ -29,7 +29,7 @@ HERE = os.path.dirname(__file__)
 sys.path.insert(0, HERE)
 sys.path.insert(0, os.path.join(HERE, "..", "zero"))
 from _hf_workload import ds_config, shared_tmpdir  # noqa: E402
-from _tolerance import without_deepspeed  # noqa: E402
+from _hf_workload import without_deepspeed  # noqa: E402
 from _workload import flat, full_params, max_rel_diff, rel_diff  # noqa: E402
 from worker import init_ranks  # noqa: E402
 

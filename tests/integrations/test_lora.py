@@ -1,5 +1,5 @@
 """PEFT LoRA adapters in OdcTrainer, OdcSFTTrainer and OdcGRPOTrainer with gradient checkpointing, against the stock
-trainer with stock ZeRO-3 (see lora_worker.py): adapters and logged values within the bound of ``_tolerance.py``
+trainer with stock ZeRO-3 (see lora_worker.py): adapters and logged values within the bound of ``tests/_support/tolerance.py``
 (stock's own distance from float64), only adapter gradients pushed, adapters saved and resumed exactly, GRPO's
 reference model the base model (adapters disabled) as in TRL."""
 
@@ -10,7 +10,7 @@ import os
 import pytest
 
 from _support.launch import launch
-from _tolerance import assert_caught, assert_within, compare, compare_logs
+from _support.tolerance import assert_caught, assert_within, compare, compare_logs
 
 pytest.importorskip("peft")
 pytest.importorskip("trl")

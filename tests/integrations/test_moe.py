@@ -2,7 +2,7 @@
 the stock trainer + stock ZeRO-3 (see moe_worker.py).
 
 Where every rank runs stock's microbatches (one sample per microbatch on both sides; LB-Mini with uneven counts or
-``local-sort`` with equal ones) ODC equals stock within the bound of ``_tolerance.py``, with experts that receive no
+``local-sort`` with equal ones) ODC equals stock within the bound of ``tests/_support/tolerance.py``, with experts that receive no
 token in a microbatch. Where LB-Mini groups other samples than stock, the router loss (a per-microbatch mean) differs
 by definition: the distance is measured and compared with stock's own distance between two microbatch sizes."""
 
@@ -13,7 +13,7 @@ import os
 import pytest
 
 from _support.launch import launch
-from _tolerance import assert_within, compare, compare_logs
+from _support.tolerance import assert_within, compare, compare_logs
 
 pytest.importorskip("trl")
 

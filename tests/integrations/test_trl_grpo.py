@@ -50,7 +50,8 @@ def comparisons(result: dict, variant: str, launch: dict) -> list:
                     for case in launch["cases"].values())
     return [compare(f"{variant}: parameters (max over tensors of |odc - stock| / |stock|)", params[variant],
                     params["fp64"]),
-            *compare_logs(variant, logs[variant], logs["stock"], logs["fp64"], SCALES, METRIC_SCALE, reference)]
+            *compare_logs(variant, logs[variant], logs["stock"], logs["fp64"], scales=SCALES, default_scale=METRIC_SCALE,
+                          reference=reference)]
 
 
 def check_case(launch: dict, case: str, variant: str) -> None:
