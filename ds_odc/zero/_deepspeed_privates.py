@@ -24,8 +24,8 @@ __all__ = ["SUPPORTED", "check_deepspeed", "skip_cpu_shm_op_build", "install_con
            "install_zero_init_group", "partition_over", "install_checkpoint_writers", "nvtx_ranges_only_under_a_tool",
            "list_module_parameters_once", "accumulation_of", "use_coordinator_class", "grad_partition_map",
            "bind_param_methods", "zero3_hooks_detached", "no_rank_consistency_asserts", "no_persistent_refresh",
-           "fetch_stream", "count_available", "has_fetches_in_flight", "release_function", "CoordinatorSeams",
-           "Stage3Seams"]
+           "fetch_stream", "count_available", "has_fetches_in_flight", "release_function", "gradients_kept_on_device",
+           "CoordinatorSeams", "Stage3Seams"]
 
 SUPPORTED = ">=0.19.8,<0.20"
 _MIN, _MAX = Version("0.19.8"), Version("0.20")
@@ -61,6 +61,9 @@ def check_deepspeed() -> None:
             (Stage3, "_partition_all_parameters"),
             (Stage3, "_get_norm_groups"),
             (Stage3, "_get_param_partition_group"),
+            (Stage3, "_prepare_sub_group"),
+            (Stage3, "_reassign_or_swap_out_partitioned_parameters"),
+            (Stage3, "independent_gradient_partition_epilogue"),
             (Coordinator, COORDINATOR_GATHER),
             (Coordinator, "reset_step"),
             (DeepSpeedEngine, "_configure_zero_optimizer"),
@@ -310,6 +313,21 @@ def no_rank_consistency_asserts():
 
 
 @contextlib.contextmanager
+def gradients_kept_on_device(optimizer):
+    """Why: with ``offload_optimizer`` stock's gradient accessors (``safe_get/set_*_grad``,
+    ``get_fp32_grad_partitions``) and its backward epilogue read the host master's ``.grad``, which it fills at every
+    accumulation boundary; ODC keeps the gradients in its device accumulator until the step copies them out
+    (``ds_odc.zero.host_step``), where stock without offload keeps them too, so these take stock's branch for that
+    case (it tests ``offload_optimizer``)."""
+    offloaded = optimizer.offload_optimizer
+    optimizer.offload_optimizer = False
+    try:
+        yield
+    finally:
+        optimizer.offload_optimizer = offloaded
+
+
+@contextlib.contextmanager
 def no_persistent_refresh(optimizer):
     """Why: stock's ``_post_step`` re-gathers the persistent parameters (``stage3_param_persistence_threshold``) from
     the owners' updated shards, which under ODC are readable only after the step's publish; so the refresh is left
@@ -410,14 +428,32 @@ class Stage3Seams:
 
     def _get_fp32_grad_state_partition(self, param, release_swap_buffers):
         # Why: every safe_get/set_*_grad goes through here; the gradient must be complete before it is read or
-        # replaced, or the fence would add the pending pushes on top of a written value.
+        # replaced, or the fence would add the pending pushes on top of a written value (and see
+        # gradients_kept_on_device).
         self.odc.settle("reading or writing a gradient (safe_get_*_grad / safe_set_*_grad)")
-        return super()._get_fp32_grad_state_partition(param, release_swap_buffers)
+        with gradients_kept_on_device(self):
+            return super()._get_fp32_grad_state_partition(param, release_swap_buffers)
 
     def update_fp32_grad_for_param_vectorized(self, update_func, param_list):
         # Why: as _get_fp32_grad_state_partition, for the vectorised update (it reads the partitions directly).
         self.odc.settle("updating gradients (safe_update_full_grad_vectorized)")
-        return super().update_fp32_grad_for_param_vectorized(update_func, param_list)
+        with gradients_kept_on_device(self):
+            return super().update_fp32_grad_for_param_vectorized(update_func, param_list)
+
+    def independent_gradient_partition_epilogue(self):
+        # Why: see gradients_kept_on_device (stock lists the gradients it reads in averaged_gradients here).
+        with gradients_kept_on_device(self):
+            super().independent_gradient_partition_epilogue()
+
+    def _prepare_sub_group(self, sub_group_id, timer_names):
+        # Why: stock's step prepares each sub-group here; with offload_optimizer ODC brings its gradient to the host.
+        self.host_gradients(sub_group_id)
+        super()._prepare_sub_group(sub_group_id, timer_names)
+
+    def _reassign_or_swap_out_partitioned_parameters(self, sub_group_id):
+        # Why: stock copies each sub-group's new fp32 parameters into its shards here, synchronously.
+        if not self.copy_back_parameters(sub_group_id):
+            super()._reassign_or_swap_out_partitioned_parameters(sub_group_id)
 
     def set_gradient_accumulation_boundary(self, is_boundary: bool) -> None:
         # Why: a rank with no microbatch declares its boundary only here; it must take part in early gradient reads.
