@@ -317,9 +317,9 @@ class OdcOptimizer(privates.Stage3Seams, DeepSpeedZeroOptimizer_Stage3):
         self.averaged_gradients = {}
 
     def _cannot_move(self, states: list) -> str:
-        sizes = {OffloadStateTypeEnum.lp_params: sum(b.numel * b.local.element_size() for b in self.odc.shard_buffers()),
-                 OffloadStateTypeEnum.lp_grads: self.odc.accumulator.numel * 4}
-        named = ", ".join(f"{s.value} ({sizes[s] / 2**30:.2f} GiB here)" for s in states)
+        shards = sum(b.numel * b.local.element_size() for b in self.odc.shard_buffers())
+        sizes = {OffloadStateTypeEnum.lp_params: shards, OffloadStateTypeEnum.lp_grads: self.odc.accumulator.numel * 4}
+        named = " and ".join(f"{s.value} ({_size(sizes[s])} on this rank)" for s in states)
         rest = [s.value for s in OffloadStateTypeEnum if s not in _SYMMETRIC_STATES]
         host = (" With offload_optimizer the fp32 master weights and the optimizer state already live on the host."
                 if self.offload_optimizer else "")
@@ -331,6 +331,10 @@ class OdcOptimizer(privates.Stage3Seams, DeepSpeedZeroOptimizer_Stage3):
 
 
 _SYMMETRIC_STATES = (OffloadStateTypeEnum.lp_params, OffloadStateTypeEnum.lp_grads)
+
+
+def _size(nbytes: int) -> str:
+    return f"{nbytes / 2**30:.2f} GiB" if nbytes >= 2**30 else f"{nbytes / 2**20:.1f} MiB"
 
 
 class _SettlingDict(dict):
