@@ -97,7 +97,7 @@ class HostStep:
             self._out_done = []
             with accelerator.stream(self._out_stream):
                 for gradient, master in zip(self.gradients, self.masters):
-                    master.grad.copy_(gradient, non_blocking=True)
+                    master.grad.data.copy_(gradient, non_blocking=True)
                     done = accelerator.Event()
                     done.record(self._out_stream)
                     self._out_done.append(done)
@@ -111,7 +111,7 @@ class HostStep:
         if self._streams:
             self._out_done[i].synchronize()
         else:
-            self.masters[i].grad.copy_(self.gradients[i])
+            self.masters[i].grad.data.copy_(self.gradients[i])
         self._mark = time.perf_counter()
         self.times.copy_out += self._mark - started
 
@@ -124,16 +124,16 @@ class HostStep:
         self.times.optimizer += started - self._mark
         master, shard = self.masters[i], self.shards[i]
         if not self._streams:
-            shard.copy_(master)
+            shard.data.copy_(master.data)  # as stock (the master is a leaf that requires grad)
         else:
             accelerator, k = get_accelerator(), i % _STAGING_SLOTS
             if self._staging_done[k] is not None:
                 self._staging_done[k].synchronize()  # its previous copy back has left the buffer
             staging = self._staging[k].narrow(0, 0, shard.numel())
-            staging.copy_(master)  # the cast to the shard dtype, on the CPU: half the bytes cross
+            staging.copy_(master.data)  # the cast to the shard dtype, on the CPU: half the bytes cross
             self._back_stream.wait_stream(accelerator.current_stream())
             with accelerator.stream(self._back_stream):
-                shard.copy_(staging, non_blocking=True)
+                shard.data.copy_(staging, non_blocking=True)
                 done = accelerator.Event()
                 done.record(self._back_stream)
             self._staging_done[k] = done

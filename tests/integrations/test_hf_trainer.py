@@ -104,3 +104,13 @@ def test_trl_sft_logs_equal_stock_sft_trainer():
         assert {"loss", "grad_norm", "entropy", "mean_token_accuracy", "num_tokens"} <= set(mine)
         far = {k: abs(mine[k] - theirs[k]) / max(abs(theirs[k]), 1e-6) for k in mine}
         assert max(far.values()) <= 1e-5, far
+
+
+def test_stock_trainer_with_the_optimizer_on_the_host():
+    """transformers' Trainer, offload_optimizer to the CPU (torch's AdamW there), equal counts: "odc": true logs the
+    same loss and gradient norm as stock ZeRO-3 with the same offload at every step, and ends at its parameters."""
+    out = launch(WORKER, 2, ["offload"], timeout=240).check().result
+    assert out["stock"]["offloaded"] and out["odc"]["offloaded"] and out["odc"]["optimizer"] == "OdcOptimizer", out
+    assert rel_diff(out["odc"]["loss"], out["stock"]["loss"]) <= REL_TOL, out  # measured 0
+    assert rel_diff(out["odc"]["grad_norm"], out["stock"]["grad_norm"]) <= REL_TOL, out  # measured 4e-7
+    assert out["params_rel_diff"] <= REL_TOL and out["moved"] > 1e-2, out  # measured 2e-8

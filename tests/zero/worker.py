@@ -99,7 +99,8 @@ def scenario_equal(args):
                 engine.backward(loss)
                 engine.step()
                 losses.append(loss.item())
-        results[name] = (full_params(engine), losses, type(engine.optimizer).__name__)
+        results[name] = (full_params(engine), losses, type(engine.optimizer).__name__,
+                         engine.optimizer.offload_optimizer)
     stock, odc = results["stock"][0], results["odc"][0]
     # Sample order of the reference: step s's samples in index order, which is how ranks x GAS slots cover them.
     dtype = getattr(torch, args.reference_dtype)
@@ -110,7 +111,8 @@ def scenario_equal(args):
     out = {"max_rel_diff": max(v[2] for v in per_param.values()),
            "stock_vs_ref": max(v[0] for v in per_param.values()), "odc_vs_ref": max(v[1] for v in per_param.values()),
            "per_param": per_param, "loss_stock": results["stock"][1], "loss_odc": results["odc"][1],
-           "optimizers": [results["stock"][2], results["odc"][2]]}
+           "optimizers": [results["stock"][2], results["odc"][2]],
+           "offloaded": [results["stock"][3], results["odc"][3]]}
     if rank == 0:
         emit(out)
 
@@ -152,7 +154,15 @@ def scenario_uneven(args):
               "persistent_params": persistent, "reads": len(reads), "params_read": sum(reads), "module_fetches": len(fetches),
               "prefetches_waiting": max(in_flight, default=0),
               "gradient_buckets_allocated": sum(b.buffer is not None for b in engine.optimizer.ipg_buckets.values()),
-              "optimizer": type(engine.optimizer).__name__, "grad_norm": float(engine.get_global_grad_norm())})
+              "optimizer": type(engine.optimizer).__name__, "grad_norm": float(engine.get_global_grad_norm()),
+              "offloaded": engine.optimizer.offload_optimizer, "host_step_s": host_step_seconds(engine)})
+
+
+def host_step_seconds(engine) -> dict | None:
+    """ODC's host step times of the last step (copy out, CPU optimizer, copy back) when the optimizer is offloaded."""
+    import dataclasses
+    times = engine.optimizer.odc_host_step_times
+    return None if times is None else dataclasses.asdict(times)
 
 
 def scenario_repeatable(args):
@@ -348,7 +358,8 @@ def scenario_fault(args):
 def scenario_rejects(args):
     """Every unsupported option must raise ValueError naming it at deepspeed.initialize."""
     cases = {
-        "offload_optimizer": {"offload_optimizer": {"device": "cpu"}},
+        "offload_optimizer.device=nvme": {"offload_optimizer": {"device": "nvme", "nvme_path": "/nonexistent"}},
+        "offload_optimizer.ratio": {"offload_optimizer": {"device": "cpu", "ratio": 0.5}},
         "offload_param": {"offload_param": {"device": "cpu"}},
         "zero_hpz_partition_size": {"zero_hpz_partition_size": 2},
         "zero_quantized_weights": {"zero_quantized_weights": True},
@@ -412,8 +423,11 @@ def main():
     parser.add_argument("--persist", type=int, default=0, help="stage3_param_persistence_threshold")
     parser.add_argument("--remote", action="store_true", help="odc.force_remote_path (GPU: NVSHMEM get/put only)")
     parser.add_argument("--dir", help="a folder the test owns and removes (checkpoints)")
+    parser.add_argument("--offload", choices=["odc", "both"], default="",
+                        help="offload_optimizer to the CPU for ODC's engines, or for stock's too")
     parser.add_argument("--local_rank", type=int, default=None)  # the deepspeed launcher passes it
     args = parser.parse_args()
+    _workload.OFFLOAD = args.offload
     if args.scenario == "collectives":
         count_collectives()
     init_ranks(timeout_s=args.timeout * 2 if args.scenario in ("fence_timeout", "skipped_step") else 60)
