@@ -25,7 +25,7 @@ __all__ = ["SUPPORTED", "check_deepspeed", "skip_cpu_shm_op_build", "install_con
            "list_module_parameters_once", "accumulation_of", "use_coordinator_class", "grad_partition_map",
            "bind_param_methods", "zero3_hooks_detached", "no_rank_consistency_asserts", "no_persistent_refresh",
            "fetch_stream", "count_available", "has_fetches_in_flight", "release_function", "gradients_kept_on_device",
-           "CoordinatorSeams", "Stage3Seams"]
+           "time_stock_host_step", "CoordinatorSeams", "Stage3Seams"]
 
 SUPPORTED = ">=0.19.8,<0.20"
 _MIN, _MAX = Version("0.19.8"), Version("0.20")
@@ -325,6 +325,36 @@ def gradients_kept_on_device(optimizer):
         yield
     finally:
         optimizer.offload_optimizer = offloaded
+
+
+# What stock's offloaded step does in each phase ds_odc.zero.host_step names: its gradient copies to the host happen in
+# backward (partition_grads per bucket, and the epilogue that waits for them), its CPU step in the sub-group loop.
+STOCK_HOST_PHASES = {"partition_grads": "copy_out", "independent_gradient_partition_epilogue": "copy_out",
+                     "unscale_and_clip_grads": "optimizer", "_optimizer_step": "optimizer",
+                     "_reassign_or_swap_out_partitioned_parameters": "copy_back"}
+
+
+def time_stock_host_step(optimizer, add) -> None:
+    """Why: a benchmark puts stock's offloaded step beside ODC's phase by phase (copy out, CPU optimizer, copy back),
+    and stock times only its whole sub-group loop. Wraps those of its methods on this instance; ``add(phase,
+    seconds)`` receives the host time of each outermost call (the epilogue calls partition_grads: counted once)."""
+    import time
+    depth = {phase: 0 for phase in STOCK_HOST_PHASES.values()}
+
+    def timed(method, phase):
+        def call(*args, **kwargs):
+            depth[phase] += 1
+            started = time.perf_counter()
+            try:
+                return method(*args, **kwargs)
+            finally:
+                depth[phase] -= 1
+                if depth[phase] == 0:
+                    add(phase, time.perf_counter() - started)
+        return call
+
+    for name, phase in STOCK_HOST_PHASES.items():
+        setattr(optimizer, name, timed(getattr(optimizer, name), phase))
 
 
 @contextlib.contextmanager

@@ -13,8 +13,15 @@ Per minibatch, on every rank, with any number of microbatches (0 included):
 
 DeepSpeed reaches this class through its private members; their overrides live in ``_deepspeed_privates``
 (:class:`~ds_odc.zero._deepspeed_privates.Stage3Seams`), each forwarding to a named method here, so the class reads
-whole in this file. What the layers above may use is :attr:`OdcOptimizer.odc_wait_s` and
-:meth:`OdcOptimizer.odc_resident` (and the functions of :mod:`ds_odc.zero.engine`); nothing else.
+whole in this file. What the layers above may use is :attr:`OdcOptimizer.odc_wait_s`,
+:attr:`OdcOptimizer.odc_host_step_times` and :meth:`OdcOptimizer.odc_resident` (and the functions of
+:mod:`ds_odc.zero.engine`); nothing else.
+
+With ``"offload_optimizer": {"device": "cpu"}`` the fp32 master weights and the optimizer state live on the host as
+under stock, while the accumulator stays on the device: the step copies each sub-group's gradient to the host and its
+new parameters back (:mod:`ds_odc.zero.host_step`), and the gradient APIs read the accumulator, as stock without
+offload does. ``engine.offload_states()`` moves the symmetric buffers too where the transport can give their memory
+back (:meth:`OdcOptimizer.offload_states`).
 
 With ``odc.shard_size`` DeepSpeed partitions over the shard group instead of the whole job (the optimizer's
 ``dp_process_group``; ``zero.Init`` picks the same group from the config), and the fence also sums every
