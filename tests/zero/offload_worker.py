@@ -81,7 +81,7 @@ def one_case(odc, include, pin_memory: bool, non_blocking: bool, bf16: bool, off
     before = snapshot(engine)
     engine.offload_states(include=include, pin_memory=pin_memory, non_blocking=non_blocking)
     out = {"devices_offloaded": devices(engine)}
-    if odc is not None:
+    if odc is not None and engine.optimizer.odc.transport.can_evict:  # shared memory (CPU)
         out["given_back"] = symmetric_memory_given_back(engine)
     engine.reload_states(non_blocking=non_blocking)
     after = snapshot(engine)
@@ -149,9 +149,10 @@ def reference(model, minibatches, clip: float, dtype: torch.dtype):
     """One process, plain PyTorch: every global minibatch's token-mean loss, SGD (as the client optimizer), clipped."""
     import copy
 
+    import _workload
     from _workload import client_optimizer
     from ds_odc.training.loss import token_loss_sum
-    model = copy.deepcopy(model).to(dtype)
+    model = copy.deepcopy(model).to(_workload.DEVICE, dtype)
     params = list(model.parameters())
     opt = client_optimizer(params)
     for samples in minibatches:
@@ -170,13 +171,14 @@ def scenario_sampler(args):
     (``BalancedBatchSampler``: a different number per rank, none on some), gradient clipping active, against one
     process computing the same global minibatches in fp32 and in float64; and ODC without offload on the same
     microbatches, which does the same arithmetic on the device (so it must agree bit for bit)."""
+    import _workload
     from _workload import VOCAB
     from ds_odc.balancer import BalancedBatchSampler
     from ds_odc.training.loss import global_mean_weight, token_loss_sum
     rank, world = dist.get_rank(), dist.get_world_size()
     g = torch.Generator().manual_seed(5)
     lengths = [int(n) for n in torch.randint(4, 41, (48,), generator=g)]
-    data = [torch.randint(0, VOCAB, (1, n), generator=g) for n in lengths]
+    data = [torch.randint(0, VOCAB, (1, n), generator=g).to(_workload.DEVICE) for n in lengths]
     sampler = BalancedBatchSampler(lengths, world_size=world, rank=rank, minibatch_size=4, max_tokens=48,
                                    cost="tokens", seed=1)
     batches = [batch for _, batch in zip(range(args.steps), sampler)]
