@@ -57,7 +57,7 @@ class OdcOptimizer(privates.Stage3Seams, DeepSpeedZeroOptimizer_Stage3):
 
     coordinator_class = OdcParamCoordinator  # what the parameter coordinator DeepSpeed builds becomes
     odc: OdcState  # how shards and gradients move: set before DeepSpeed's constructor runs
-    host_step: HostStep | None  # with offload_optimizer: the gradients' way to the host and the parameters' back
+    host_step: HostStep | None = None  # with offload_optimizer: the gradients' way to the host, the parameters' back
 
     def __init__(self, *args, **kwargs):
         config = odc_config_from_ds_config(kwargs["ds_config"])
@@ -82,7 +82,6 @@ class OdcOptimizer(privates.Stage3Seams, DeepSpeedZeroOptimizer_Stage3):
         self.grad_partitions_flat_buffer = self.odc.accumulator.local
         privates.grad_partition_map(self).update(views)
         release_pinned(stock_partitions)
-        self.host_step = None
         if self.offload_optimizer:
             self.host_step = HostStep([self.odc.accumulated(group) for group in self.fp16_groups],
                                       self.fp32_partitioned_groups_flat, self.fp16_partitioned_groups_flat,
