@@ -4,9 +4,9 @@ state is, reload, compare bit for bit, train on), against stock ZeRO-3 in the sa
 test_offload.py on CPU ranks (and by tests/gpu on GPUs).
 
 Usage: offload_worker.py states [--include NAME,...] [--bf16] [--offload-optimizer]; rank 0 prints one ODC_RESULT line
-with, per case (an ``include`` list, pinned or not, blocking or not), whether every state came back bit for bit,
-where the states were while offloaded, whether ODC's symmetric memory was given back, and how far ODC's parameters
-are from stock's after two more steps.
+with, per case (an ``include`` list, pinned or not, blocking or not; one engine per mode goes through all of them, a
+training step before each), whether every state came back bit for bit, where the states were while offloaded and
+whether ODC's symmetric memory was given back; and how far ODC's parameters are from stock's at the end.
 """
 
 from __future__ import annotations
@@ -74,43 +74,43 @@ def symmetric_memory_given_back(engine) -> dict[str, bool]:
             "lp_grads": engine.optimizer.grad_partitions_flat_buffer.data_ptr() != odc.accumulator.local.data_ptr()}
 
 
-def one_case(odc, include, pin_memory: bool, non_blocking: bool, bf16: bool, offload_optimizer: bool) -> dict:
-    config = ds_config(odc, bf16=bf16, offload=offload_optimizer)
-    engine = build(tiny_llama(), config)
-    train(engine, range(2))
-    before = snapshot(engine)
-    engine.offload_states(include=include, pin_memory=pin_memory, non_blocking=non_blocking)
-    out = {"devices_offloaded": devices(engine)}
-    if odc is not None and engine.optimizer.odc.transport.can_evict:  # shared memory (CPU)
-        out["given_back"] = symmetric_memory_given_back(engine)
-    engine.reload_states(non_blocking=non_blocking)
-    after = snapshot(engine)
-    out["devices_reloaded"] = devices(engine)
-    out["changed"] = sorted(k for k in before if not torch.equal(before[k], after[k]))
-    train(engine, range(2, 4))
-    out["params"] = flat(full_params(engine).values())
-    out["offloaded_states_left"] = sorted(s.value for s in engine.optimizer.offloaded_states)
+def run_cases(odc, cases: list[tuple[str, list | None, bool, bool]], bf16: bool, offload_optimizer: bool):
+    """One engine, as DeepSpeed's test: per case (name, include, pin_memory, non_blocking) a training step, then the
+    offload and the reload with every check; two more steps at the end. Returns (per case, final parameters)."""
+    engine = build(tiny_llama(), ds_config(odc, bf16=bf16, offload=offload_optimizer))
+    results = {}
+    for step, (name, include, pin_memory, non_blocking) in enumerate(cases):
+        train(engine, range(step, step + 1))
+        before = snapshot(engine)
+        engine.offload_states(include=include, pin_memory=pin_memory, non_blocking=non_blocking)
+        out = {"devices_offloaded": devices(engine)}
+        if odc is not None and engine.optimizer.odc.transport.can_evict:  # shared memory (CPU)
+            out["given_back"] = symmetric_memory_given_back(engine)
+        engine.reload_states(non_blocking=non_blocking)
+        after = snapshot(engine)
+        out["devices_reloaded"] = devices(engine)
+        out["changed"] = sorted(k for k in before if not torch.equal(before[k], after[k]))
+        out["offloaded_states_left"] = sorted(s.value for s in engine.optimizer.offloaded_states)
+        results[name] = out
+    train(engine, range(len(cases), len(cases) + 2))
+    params = flat(full_params(engine).values())
     engine.destroy()
-    return out
+    return results, params
 
 
 def scenario_states(args):
     from deepspeed.runtime.zero.offload_config import OffloadStateTypeEnum
     allow_torch_adam_states()
-    includes = [None if name == "all" else [OffloadStateTypeEnum(name)] for name in args.include.split(",")]
-    initial = flat(full_params(tiny_llama()).values())
-    cases = {}
-    for include in includes:
-        for pin_memory, non_blocking in ((False, False), (True, True)):
-            name = f"{'all' if include is None else include[0].value}-pin{int(pin_memory)}-nb{int(non_blocking)}"
-            stock = one_case(None, include, pin_memory, non_blocking, args.bf16, args.offload_optimizer)
-            odc = one_case(True, include, pin_memory, non_blocking, args.bf16, args.offload_optimizer)
-            cases[name] = {"stock": {k: v for k, v in stock.items() if k != "params"},
-                           "odc": {k: v for k, v in odc.items() if k != "params"},
-                           "odc_vs_stock": rel_diff(odc["params"], stock["params"]),
-                           "stock_moved": rel_diff(stock["params"], initial)}
+    ours = ("all", "lp_params", "lp_grads")  # ODC's own paths, pinned and blocking both ways; the others one way
+    cases = [(f"{name}-pin{int(pin)}-nb{int(nb)}", None if name == "all" else [OffloadStateTypeEnum(name)], pin, nb)
+             for name in args.include.split(",")
+             for pin, nb in (((False, False), (True, True)) if name in ours else ((True, True),))]
+    stock, stock_params = run_cases(None, cases, args.bf16, args.offload_optimizer)
+    odc, odc_params = run_cases(True, cases, args.bf16, args.offload_optimizer)
     if dist.get_rank() == 0:
-        emit(cases)
+        emit({"cases": {name: {"stock": stock[name], "odc": odc[name]} for name, *_ in cases},
+              "odc_vs_stock": rel_diff(odc_params, stock_params),
+              "stock_moved": rel_diff(stock_params, flat(full_params(tiny_llama()).values()))})
 
 
 def scenario_refused(args):

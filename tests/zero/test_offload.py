@@ -86,11 +86,12 @@ def states():
 
 @pytest.mark.parametrize("include", STATES)
 def test_offload_states_round_trip_is_exact(states, include):
-    """DeepSpeed's offload_states test sequence (each include option, pinned or not, blocking or not), ODC next to
-    stock: every state comes back bit for bit, lp_params and lp_grads really leave ODC's shared memory (its pages read
-    as zeros while offloaded), and two more steps afterwards land where stock's do."""
-    for pinning in ("pin0-nb0", "pin1-nb1"):
-        case = states[f"{include}-{pinning}"]
+    """DeepSpeed's offload_states test sequence (each include option, pinned or not, blocking or not; a training
+    step before each), ODC next to stock: every state comes back bit for bit, lp_params and lp_grads really leave
+    ODC's shared memory (its pages read as zeros while offloaded), and training goes on to where stock's does."""
+    pinnings = ("pin0-nb0", "pin1-nb1") if include in ("lp_params", "lp_grads", "all") else ("pin1-nb1",)
+    for pinning in pinnings:  # ODC's own paths both ways; the states stock moves for ODC too, one way
+        case = states["cases"][f"{include}-{pinning}"]
         odc, stock = case["odc"], case["stock"]
         assert odc["changed"] == [] and stock["changed"] == [], case
         assert odc["offloaded_states_left"] == [] == stock["offloaded_states_left"], case
@@ -101,18 +102,18 @@ def test_offload_states_round_trip_is_exact(states, include):
         for state in ("lp_params", "lp_grads"):
             if include in (state, "all"):
                 assert odc["given_back"][state], (state, case)
-        assert case["stock_moved"] > 1e-2
-        assert case["odc_vs_stock"] < 1e-5, case  # measured 1.8e-7: AdamW, fp32, as without offload_states
+    assert states["stock_moved"] > 1e-2
+    assert states["odc_vs_stock"] < 1e-5, states  # AdamW, fp32, as without offload_states (measured 1.8e-7)
 
 
 def test_offload_states_with_the_optimizer_on_the_host_in_bf16():
     """With offload_optimizer DeepSpeed offloads only lp_params (the rest already lives on the host): ODC's bf16
     shards leave shared memory and come back exactly."""
-    r = run(OFFLOAD_WORKER, 2, "states", "--include", "all,lp_params", "--bf16", "--offload-optimizer", timeout=400)
-    for name, case in r.items():
+    r = run(OFFLOAD_WORKER, 2, "states", "--include", "all", "--bf16", "--offload-optimizer", timeout=400)
+    for name, case in r["cases"].items():
         assert case["odc"]["changed"] == [] == case["stock"]["changed"], (name, case)
         assert case["odc"]["given_back"]["lp_params"], (name, case)
-        assert case["odc_vs_stock"] < 1e-2, (name, case)  # bf16 resolution (measured 1.1e-3)
+    assert r["odc_vs_stock"] < 1e-2, r  # bf16 resolution (measured 1.1e-3)
 
 
 def test_offload_states_refused_where_memory_cannot_be_given_back():
