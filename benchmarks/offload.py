@@ -23,6 +23,9 @@ stock adds its pinned gradient partition (2 bytes per parameter in bf16). Run it
 e.g. a 2-GPU H200 node (256 GiB) at ``--nproc 1``. CPU smoke run (tiny model, torch's AdamW, scaled lengths):
 
     python benchmarks/offload.py --model tiny --scale 0.004 --optimizer torch --steps 3 --out /tmp/offload_smoke
+
+Where one call may not run that long, run the modes in separate calls into one folder and print the table after
+(``--modes stock``, ``--modes odc``, then ``--table-only``).
 """
 
 from __future__ import annotations
@@ -52,7 +55,8 @@ GIB = 2 ** 30
 def write_lengths(minibatches: int, nproc: int, path: Path, scale: float) -> None:
     """4 samples per rank per minibatch, drawn as benchmarks/e2e.py draws its long-tail workload."""
     g = torch.Generator().manual_seed(0)
-    lengths = [int(x) for _ in range(minibatches) for x in longtail_from_normals(torch.randn(4 * nproc, generator=g).numpy())]
+    lengths = [int(x) for _ in range(minibatches)
+               for x in longtail_from_normals(torch.randn(4 * nproc, generator=g).numpy())]
     path.write_text("\n".join(str(max(2, round(n * scale))) for n in lengths) + "\n")
 
 
@@ -134,17 +138,22 @@ def run(mode: str, args, lengths: Path, out: Path) -> dict | None:
     if proc.returncode != 0 or not report.exists():
         print(f"  {mode} FAILED (rc={proc.returncode}); log tail:\n{log.read_text()[-2500:]}", flush=True)
         return None
+    result = read_report(report)
+    print(f"  {mode}: {result['samples_per_s']:.3f} samples/s, peak device {result['peak_device'] / GIB:.1f} GiB, "
+          f"host {result['host_peak'] / GIB:.1f} GiB ({time.monotonic() - started:.0f}s wall)", flush=True)
+    return result
+
+
+def read_report(report: Path) -> dict:
+    """One mode's row of the table, from the report its launch wrote."""
     written = json.loads(report.read_text())
     timed = written["offload"]["steps"][1:] or written["offload"]["steps"]  # the first minibatch warms up
-    result = {"samples_per_s": written["summary"]["samples_per_s"], "wall_s": time.monotonic() - started,
-              "peak_device": written["summary"]["peak_mem_bytes"] + written["offload"]["symmetric"],
-              "symmetric": written["offload"]["symmetric"], "device_used": written["offload"]["device_used"],
-              "host_peak": written["offload"]["host_peak_bytes"],
-              "step_s": sum(s["step_s"] for s in timed) / len(timed),
-              **{phase: sum(s.get(phase, 0.0) for s in timed) / len(timed) for phase in PHASES}}
-    print(f"  {mode}: {result['samples_per_s']:.3f} samples/s, peak device {result['peak_device'] / GIB:.1f} GiB, "
-          f"host {result['host_peak'] / GIB:.1f} GiB ({result['wall_s']:.0f}s wall)", flush=True)
-    return result
+    return {"samples_per_s": written["summary"]["samples_per_s"],
+            "peak_device": written["summary"]["peak_mem_bytes"] + written["offload"]["symmetric"],
+            "symmetric": written["offload"]["symmetric"], "device_used": written["offload"]["device_used"],
+            "host_peak": written["offload"]["host_peak_bytes"],
+            "step_s": sum(s["step_s"] for s in timed) / len(timed),
+            **{phase: sum(s.get(phase, 0.0) for s in timed) / len(timed) for phase in PHASES}}
 
 
 def print_table(results: dict[str, dict | None], args) -> None:
@@ -189,10 +198,16 @@ def main():
     p.add_argument("--scale", type=float, default=1.0, help="scale all lengths (CPU smoke runs with --model tiny)")
     p.add_argument("--out", default="offload_results")
     p.add_argument("--run-timeout", type=float, default=1800)
+    p.add_argument("--table-only", action="store_true",
+                   help="print the table from the reports already in --out (modes run in separate calls)")
     args = p.parse_args()
     if args.steps < 2:
         raise SystemExit("--steps must be at least 2 (one warm-up, one timed)")
     out = Path(args.out)
+    if args.table_only:
+        reports = {mode: out / f"{args.model}-{mode}.json" for mode in args.modes.split(",")}
+        print_table({m: read_report(r) if r.exists() else None for m, r in reports.items()}, args)
+        return
     out.mkdir(parents=True, exist_ok=True)
     lengths = out / "lengths-longtail.txt"
     write_lengths(args.steps, args.nproc, lengths, args.scale)

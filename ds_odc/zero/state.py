@@ -17,6 +17,8 @@ step to step (each parameter's place, each fetch group's and gradient bucket's t
 Gradients read, written or dropped between ``backward`` and ``step`` (:meth:`settle`, :meth:`discard`) and shards
 written outside the step (:meth:`publish_writes`, replaced shards in :meth:`fetch`) are made to behave as under
 stock ZeRO-3, where every rank meets at those points anyway. Where the minibatch stands is one :class:`Phase`.
+DeepSpeed's ``offload_states()`` puts whole buffers away on the host and back (:meth:`put_away_buffers`,
+:meth:`bring_back`), where the transport can give their memory back meanwhile; the ranks meet around it.
 
 With hybrid sharding (``odc.shard_size``, :mod:`ds_odc.zero.hybrid`) the transport spans one shard group, and the
 fence also meets the whole job and sums each accumulated shard over its replicas (:class:`~ds_odc.zero.hybrid.
