@@ -36,10 +36,10 @@ def shm_dir() -> str:
     return "/dev/shm" if os.path.isdir("/dev/shm") and os.access("/dev/shm", os.W_OK) else tempfile.gettempdir()
 
 
-def _map_files(paths: Sequence[str], numel: int, dtype: torch.dtype) -> list[torch.Tensor]:
-    """Every rank's file of one buffer as a tensor over a shared mapping."""
+def _map_files(paths: Sequence[str], numel: int, dtype: torch.dtype) -> tuple[list[torch.Tensor], list[mmap.mmap]]:
+    """Every rank's file of one buffer as a tensor over a shared mapping (and the mappings)."""
     nbytes = max(numel, 1) * torch.empty((), dtype=dtype).element_size()
-    views = []
+    views, maps = [], []
     for path in paths:
         fd = os.open(path, os.O_RDWR)
         try:
@@ -47,13 +47,15 @@ def _map_files(paths: Sequence[str], numel: int, dtype: torch.dtype) -> list[tor
         finally:
             os.close(fd)
         views.append(torch.frombuffer(mm, dtype=dtype, count=max(numel, 1))[:numel])
-    return views
+        maps.append(mm)
+    return views, maps
 
 
 @dataclass(eq=False)
 class ShmBuffer(SymmetricBuffer):
     peers: list[torch.Tensor] = field(default_factory=list)  # rank r's copy, mapped here
     slots: list[torch.Tensor] | None = None  # accumulators: rank r's (world, numel) staging, slot s written by source s
+    own: list[mmap.mmap] = field(default_factory=list)  # this rank's files' mappings (evict gives their pages back)
 
 
 @dataclass(eq=False)
@@ -68,6 +70,7 @@ class ShmScatterPlan(ScatterPlan):
 
 class ShmTransport(Transport):
     name = "shm"
+    can_evict = True
 
     def __init__(self, process_group=None, timeout_s: float = 300.0, control=None):
         """``control``: a gloo group over the ranks of ``process_group`` for meetings (default: made from it)."""
@@ -107,11 +110,13 @@ class ShmTransport(Transport):
             paths = self._create(name, numel * itemsize)
             staging_paths = self._create(name + "s", self.world_size * numel * itemsize) if accumulator else None
             self.meet("symmetric allocation (files created)")
-            peers = _map_files(paths, numel, dtype)
+            peers, maps = _map_files(paths, numel, dtype)
+            own = [maps[self.rank]]
             slots = None
             if accumulator:
-                slots = [v.view(self.world_size, numel) for v in _map_files(staging_paths, self.world_size * numel,
-                                                                              dtype)]
+                staged, staging_maps = _map_files(staging_paths, self.world_size * numel, dtype)
+                slots = [v.view(self.world_size, numel) for v in staged]
+                own = [staging_maps[self.rank]]  # an accumulator's own copy is private (below)
             self.meet("symmetric allocation (files mapped)")
         except BaseException:
             self._remove_job_files()
@@ -119,7 +124,19 @@ class ShmTransport(Transport):
         self._unlink_pending()
         # An accumulator's own copy is private: peers write only into the staging slots.
         local = torch.zeros(numel, dtype=dtype) if accumulator else peers[self.rank]
-        return ShmBuffer(numel, dtype, local, accumulator, peers=peers, slots=slots)
+        return ShmBuffer(numel, dtype, local, accumulator, peers=peers, slots=slots, own=own)
+
+    def evict(self, buffers: Sequence[ShmBuffer]) -> None:
+        """Punch the pages of this rank's files out of ``/dev/shm`` (``MADV_REMOVE``); they read as zeros until
+        written again. An accumulator's private copy is zeroed."""
+        for buf in buffers:
+            for mm in buf.own:
+                try:
+                    mm.madvise(mmap.MADV_REMOVE)
+                except (AttributeError, OSError):  # not Linux, or a file system without hole punching: zero it
+                    mm[:] = bytes(len(mm))
+            if buf.accumulator:
+                buf.local.zero_()
 
     def _unlink_pending(self) -> None:
         for path in list(self._pending_unlink):

@@ -94,6 +94,7 @@ class Transport(ABC):
     """One-sided communication among the ranks of a process group."""
 
     name: str = "abstract"
+    can_evict: bool = False  # whether evict() gives symmetric memory back while the job runs
 
     def __init__(self, rank: int, world_size: int, timeout_s: float):
         self.rank = rank
@@ -142,6 +143,13 @@ class Transport(ABC):
         """Zero accumulators (and anything staged for them) between a ``fence`` and the following ``barrier``."""
         for acc in accumulators:
             acc.local.zero_()
+
+    def evict(self, buffers: Sequence[SymmetricBuffer]) -> None:
+        """Give back the memory behind this rank's copy of each of ``buffers`` (and an accumulator's staging) for a
+        while: the buffers keep their addresses and read as zeros until written again. Local work only; peers must
+        not read or push into them meanwhile (the caller meets them before). Transports that cannot
+        (``can_evict`` False) raise :class:`OdcError`."""
+        raise OdcError(f"ds_odc: the {self.name} transport cannot give symmetric memory back while the job runs")
 
     def leave(self, why: str) -> None:
         """This rank will not meet again (``why``: what it did): a meeting the others wait in says so."""

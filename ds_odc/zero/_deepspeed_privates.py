@@ -24,8 +24,8 @@ __all__ = ["SUPPORTED", "check_deepspeed", "skip_cpu_shm_op_build", "install_con
            "install_zero_init_group", "partition_over", "install_checkpoint_writers", "nvtx_ranges_only_under_a_tool",
            "list_module_parameters_once", "accumulation_of", "use_coordinator_class", "grad_partition_map",
            "bind_param_methods", "zero3_hooks_detached", "no_rank_consistency_asserts", "no_persistent_refresh",
-           "fetch_stream", "count_available", "has_fetches_in_flight", "release_function", "CoordinatorSeams",
-           "Stage3Seams"]
+           "fetch_stream", "count_available", "has_fetches_in_flight", "release_function", "gradients_kept_on_device",
+           "time_stock_host_step", "CoordinatorSeams", "Stage3Seams"]
 
 SUPPORTED = ">=0.19.8,<0.20"
 _MIN, _MAX = Version("0.19.8"), Version("0.20")
@@ -61,6 +61,9 @@ def check_deepspeed() -> None:
             (Stage3, "_partition_all_parameters"),
             (Stage3, "_get_norm_groups"),
             (Stage3, "_get_param_partition_group"),
+            (Stage3, "_prepare_sub_group"),
+            (Stage3, "_reassign_or_swap_out_partitioned_parameters"),
+            (Stage3, "independent_gradient_partition_epilogue"),
             (Coordinator, COORDINATOR_GATHER),
             (Coordinator, "reset_step"),
             (DeepSpeedEngine, "_configure_zero_optimizer"),
@@ -310,6 +313,51 @@ def no_rank_consistency_asserts():
 
 
 @contextlib.contextmanager
+def gradients_kept_on_device(optimizer):
+    """Why: with ``offload_optimizer`` stock's gradient accessors (``safe_get/set_*_grad``,
+    ``get_fp32_grad_partitions``) and its backward epilogue read the host master's ``.grad``, which it fills at every
+    accumulation boundary; ODC keeps the gradients in its device accumulator until the step copies them out
+    (``ds_odc.zero.host_step``), where stock without offload keeps them too, so these take stock's branch for that
+    case (it tests ``offload_optimizer``)."""
+    offloaded = optimizer.offload_optimizer
+    optimizer.offload_optimizer = False
+    try:
+        yield
+    finally:
+        optimizer.offload_optimizer = offloaded
+
+
+# What stock's offloaded step does in each phase ds_odc.zero.host_step names: its gradient copies to the host happen in
+# backward (partition_grads per bucket, and the epilogue that waits for them), its CPU step in the sub-group loop.
+STOCK_HOST_PHASES = {"partition_grads": "copy_out", "independent_gradient_partition_epilogue": "copy_out",
+                     "unscale_and_clip_grads": "optimizer", "_optimizer_step": "optimizer",
+                     "_reassign_or_swap_out_partitioned_parameters": "copy_back"}
+
+
+def time_stock_host_step(optimizer, add) -> None:
+    """Why: a benchmark puts stock's offloaded step beside ODC's phase by phase (copy out, CPU optimizer, copy back),
+    and stock times only its whole sub-group loop. Wraps those of its methods on this instance; ``add(phase,
+    seconds)`` receives the host time of each outermost call (the epilogue calls partition_grads: counted once)."""
+    import time
+    depth = {phase: 0 for phase in STOCK_HOST_PHASES.values()}
+
+    def timed(method, phase):
+        def call(*args, **kwargs):
+            depth[phase] += 1
+            started = time.perf_counter()
+            try:
+                return method(*args, **kwargs)
+            finally:
+                depth[phase] -= 1
+                if depth[phase] == 0:
+                    add(phase, time.perf_counter() - started)
+        return call
+
+    for name, phase in STOCK_HOST_PHASES.items():
+        setattr(optimizer, name, timed(getattr(optimizer, name), phase))
+
+
+@contextlib.contextmanager
 def no_persistent_refresh(optimizer):
     """Why: stock's ``_post_step`` re-gathers the persistent parameters (``stage3_param_persistence_threshold``) from
     the owners' updated shards, which under ODC are readable only after the step's publish; so the refresh is left
@@ -410,14 +458,32 @@ class Stage3Seams:
 
     def _get_fp32_grad_state_partition(self, param, release_swap_buffers):
         # Why: every safe_get/set_*_grad goes through here; the gradient must be complete before it is read or
-        # replaced, or the fence would add the pending pushes on top of a written value.
+        # replaced, or the fence would add the pending pushes on top of a written value (and see
+        # gradients_kept_on_device).
         self.odc.settle("reading or writing a gradient (safe_get_*_grad / safe_set_*_grad)")
-        return super()._get_fp32_grad_state_partition(param, release_swap_buffers)
+        with gradients_kept_on_device(self):
+            return super()._get_fp32_grad_state_partition(param, release_swap_buffers)
 
     def update_fp32_grad_for_param_vectorized(self, update_func, param_list):
         # Why: as _get_fp32_grad_state_partition, for the vectorised update (it reads the partitions directly).
         self.odc.settle("updating gradients (safe_update_full_grad_vectorized)")
-        return super().update_fp32_grad_for_param_vectorized(update_func, param_list)
+        with gradients_kept_on_device(self):
+            return super().update_fp32_grad_for_param_vectorized(update_func, param_list)
+
+    def independent_gradient_partition_epilogue(self):
+        # Why: see gradients_kept_on_device (stock lists the gradients it reads in averaged_gradients here).
+        with gradients_kept_on_device(self):
+            super().independent_gradient_partition_epilogue()
+
+    def _prepare_sub_group(self, sub_group_id, timer_names):
+        # Why: stock's step prepares each sub-group here; with offload_optimizer ODC brings its gradient to the host.
+        self.host_gradients(sub_group_id)
+        super()._prepare_sub_group(sub_group_id, timer_names)
+
+    def _reassign_or_swap_out_partitioned_parameters(self, sub_group_id):
+        # Why: stock copies each sub-group's new fp32 parameters into its shards here, synchronously.
+        if not self.copy_back_parameters(sub_group_id):
+            super()._reassign_or_swap_out_partitioned_parameters(sub_group_id)
 
     def set_gradient_accumulation_boundary(self, is_boundary: bool) -> None:
         # Why: a rank with no microbatch declares its boundary only here; it must take part in early gradient reads.

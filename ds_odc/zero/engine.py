@@ -1,16 +1,20 @@
 """What code above ``ds_odc.zero`` (and a user's loop) may ask of a ``DeepSpeedEngine`` about ODC: functions that take
 the engine, stock engines included, so that nothing outside this package reaches into the optimizer's attributes.
-The optimizer's own public members are :attr:`~ds_odc.zero.optimizer.OdcOptimizer.odc_wait_s` and
+The optimizer's own public members are :attr:`~ds_odc.zero.optimizer.OdcOptimizer.odc_wait_s`,
+:attr:`~ds_odc.zero.optimizer.OdcOptimizer.odc_host_step_times` and
 :meth:`~ds_odc.zero.optimizer.OdcOptimizer.odc_resident`."""
 
 from __future__ import annotations
 
-from typing import Any
+import dataclasses
+from typing import Any, Callable
 
+from ds_odc.zero import _deepspeed_privates as privates
+from ds_odc.zero.host_step import HostStepTimes
 from ds_odc.zero.minibatch import MinibatchTag
 from ds_odc.zero.optimizer import OdcOptimizer
 
-__all__ = ["tag_minibatch", "holds_replica"]
+__all__ = ["tag_minibatch", "holds_replica", "host_step_timer", "symmetric_device_bytes"]
 
 
 def tag_minibatch(engine, batch: Any = None, *, epoch: int | None = None, step: int | None = None,
@@ -39,3 +43,38 @@ def holds_replica(engine) -> bool:
     optimizer = getattr(engine, "optimizer", None)
     groups = optimizer.odc.groups if isinstance(optimizer, OdcOptimizer) else None
     return groups is not None and groups.layout.shard_index > 0
+
+
+def host_step_timer(engine) -> Callable[[], HostStepTimes] | None:
+    """For an engine with ``offload_optimizer`` (ODC's or stock's): a function that returns the host seconds of the
+    offloaded step's phases (copy out, CPU optimizer, copy back) since it was last called; call it after each
+    ``engine.step()`` that stepped. None without offload. ODC times its own phases (see [Note: the host step] in
+    ``ds_odc.zero.host_step``); stock's are timed by wrapping them, which adds a Python call per phase (for
+    benchmarks)."""
+    optimizer = getattr(engine, "optimizer", None)
+    if not getattr(optimizer, "offload_optimizer", False):
+        return None
+    if isinstance(optimizer, OdcOptimizer):
+        return lambda: dataclasses.replace(optimizer.odc_host_step_times)
+    totals = HostStepTimes()
+
+    def add(phase: str, seconds: float) -> None:
+        setattr(totals, phase, getattr(totals, phase) + seconds)
+
+    privates.time_stock_host_step(optimizer, add)
+
+    def read() -> HostStepTimes:
+        since = dataclasses.replace(totals)
+        totals.copy_out = totals.optimizer = totals.copy_back = 0.0
+        return since
+
+    return read
+
+
+def symmetric_device_bytes(engine) -> int:
+    """Device memory ODC holds in its transport's symmetric heap (shards and accumulator under NVSHMEM), which torch's
+    allocator statistics do not count; 0 for stock engines and on CPU."""
+    optimizer = getattr(engine, "optimizer", None)
+    if not isinstance(optimizer, OdcOptimizer):
+        return 0
+    return int(getattr(optimizer.odc.transport, "symmetric_bytes", 0))

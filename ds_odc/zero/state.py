@@ -17,6 +17,8 @@ step to step (each parameter's place, each fetch group's and gradient bucket's t
 Gradients read, written or dropped between ``backward`` and ``step`` (:meth:`settle`, :meth:`discard`) and shards
 written outside the step (:meth:`publish_writes`, replaced shards in :meth:`fetch`) are made to behave as under
 stock ZeRO-3, where every rank meets at those points anyway. Where the minibatch stands is one :class:`Phase`.
+DeepSpeed's ``offload_states()`` puts whole buffers away on the host and back (:meth:`put_away_buffers`,
+:meth:`bring_back`), where the transport can give their memory back meanwhile; the ranks meet around it.
 
 With hybrid sharding (``odc.shard_size``, :mod:`ds_odc.zero.hybrid`) the transport spans one shard group, and the
 fence also meets the whole job and sums each accumulated shard over its replicas (:class:`~ds_odc.zero.hybrid.
@@ -138,6 +140,7 @@ class OdcState:
         self.minibatch: MinibatchTag | None = None  # what the loop says the next step trains (None: untagged)
         self._fetch_plans: dict[tuple[int, ...], FetchPlan] = {}
         self._push_plans: dict[tuple[int, ...], ScatterPlan] = {}
+        self.put_away: dict[int, tuple[SymmetricBuffer, torch.Tensor]] = {}  # id(buffer) -> (buffer, its host copy)
 
     # -- placement (once, while DeepSpeed builds its optimizer) --------------------------------------------------------
     def connect(self, device: torch.device, process_group) -> Transport:
@@ -408,6 +411,9 @@ class OdcState:
     def _adopt_replaced_shards(self) -> None:
         """Someone assigned ``param.ds_tensor.data = new`` after ``deepspeed.initialize``: peers read shards from
         symmetric memory, so copy every replaced shard there, point ``ds_tensor`` back at it, and meet."""
+        if any(buf is not self.accumulator for buf, _ in self.put_away.values()):
+            raise OdcError("ds_odc: the parameter shards were put away by engine.offload_states(); call "
+                           "engine.reload_states() on every rank before the next forward")
         for place, param in self._replaced():
             view = place.buffer.local.narrow(0, place.offset, place.numel)
             view.copy_(param.ds_tensor.data.reshape(-1))
@@ -429,6 +435,50 @@ class OdcState:
             if param.ds_tensor.data_ptr() != self.shards[param.ds_id].address:
                 raise OdcError("ds_odc: a checkpoint load moved parameter shards out of symmetric memory; this "
                                "DeepSpeed version is not supported with ODC")
+
+    # -- states put away (DeepSpeed's offload_states / reload_states) -------------------------------------------------
+    def shard_buffers(self) -> list[SymmetricBuffer]:
+        """Every buffer of parameter shards (trainable, then frozen)."""
+        return [b for b in [self.trainable, *self.frozen] if b is not None]
+
+    def put_away_buffers(self, buffers: Sequence[SymmetricBuffer], pin: Callable[[torch.Tensor], torch.Tensor],
+                         why: str) -> None:
+        """Move the contents of ``buffers`` to host copies (``pin`` makes an empty host tensor page-locked, or not),
+        point every parameter whose shard is in one of them at its host copy, and give the symmetric memory back.
+        Every rank calls it (``why``: the call, for the error naming a rank that does not): the ranks meet first, so
+        nobody reads a shard or pushes a gradient into memory being given back; a minibatch's gradients so far are
+        landed first (as a gradient read would, see :meth:`settle`)."""
+        if not self.transport.can_evict:
+            raise OdcError(f"ds_odc: the {self.transport.name} transport cannot give symmetric memory back")
+        if self.accumulator in buffers:
+            self.settle(why)
+        self.transport.barrier(f"{why} (every rank must call it)")
+        for buf in buffers:
+            host = pin(torch.empty(buf.numel, dtype=buf.dtype, device="cpu"))
+            host.copy_(buf.local)
+            self.put_away[id(buf)] = (buf, host)
+        self._point_shards(lambda buf: self.put_away.get(id(buf), (None, None))[1])
+        self.transport.evict(list(buffers))
+
+    def host_copy(self, buffer: SymmetricBuffer) -> torch.Tensor | None:
+        """The host copy of a buffer put away, else None."""
+        return self.put_away.get(id(buffer), (None, None))[1]
+
+    def bring_back(self, why: str) -> None:
+        """Copy every buffer put away back into its symmetric memory, point the parameters at their shards there
+        again, and meet: peers read (and push into) it only after every rank has brought its own back."""
+        for buf, host in self.put_away.values():
+            buf.local.copy_(host)
+        self._point_shards(lambda buf: buf.local if id(buf) in self.put_away else None)
+        self.put_away.clear()
+        self.transport.barrier(f"{why} (every rank must call it)")
+
+    def _point_shards(self, flat_of: Callable[[SymmetricBuffer], torch.Tensor | None]) -> None:
+        for ds_id, place in self.shards.items():
+            flat = flat_of(place.buffer)
+            if flat is not None:
+                shard = self.params[ds_id].ds_tensor
+                shard.data = flat.narrow(0, place.offset, place.numel).view(shard.shape)
 
     def leave(self, why: str) -> None:
         """This rank will not meet again (its engine is gone): a meeting the others wait in says so."""

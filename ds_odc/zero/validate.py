@@ -1,8 +1,9 @@
 """Configurations ODC cannot run, rejected at ``deepspeed.initialize`` with the option to change.
 
-ODC needs every trainable shard and the gradient accumulator in one device buffer per rank (no offload), gathers
-and pushes over the plain data-parallel group or, with ``odc.shard_size``, over shard groups that split it evenly
-(no hpZ, TP, SP, PP, MoE groups), and no per-bucket collectives on the gradient path.
+ODC needs every trainable shard and the gradient accumulator in one device buffer per rank (so no parameter offload;
+the optimizer may live on the host: ``offload_optimizer`` with ``device: "cpu"``), gathers and pushes over the plain
+data-parallel group or, with ``odc.shard_size``, over shard groups that split it evenly (no hpZ, TP, SP, PP, MoE
+groups), and no per-bucket collectives on the gradient path.
 """
 
 from __future__ import annotations
@@ -30,12 +31,7 @@ def validate_engine(engine, optimizer) -> bool:
     zc = engine._config.zero_config
     if engine.zero_optimization_stage() != 3:
         raise _reject(f"zero_optimization.stage={engine.zero_optimization_stage()}", "ODC extends ZeRO stage 3 only; set stage to 3")
-    for name in ("offload_param", "offload_optimizer"):
-        cfg = getattr(zc, name)
-        if cfg is not None and cfg.device != OffloadDeviceEnum.none:
-            raise _reject(f"zero_optimization.{name}", "shards and gradients must stay in device memory")
-    if engine.super_offload():
-        raise _reject("zero_optimization.offload_optimizer.super_offload", "shards must stay in device memory")
+    _validate_offload(engine, zc)
     if zc.zero_hpz_partition_size > 1:
         raise _reject("zero_optimization.zero_hpz_partition_size", "hpZ secondary shards use another group; "
                       "zero_optimization.odc.shard_size keeps every read inside a node instead")
@@ -96,3 +92,29 @@ def _validate_shard_groups(engine, odc) -> None:
                              f"{len(shard_ranks)}. Build the model under deepspeed.zero.Init(config_dict_or_path="
                              "ds_config) with ds_odc imported (the config's odc.shard_size picks the group), or "
                              "without zero.Init.")
+
+
+def _validate_offload(engine, zc) -> None:
+    """``offload_param`` never (peers read shards from device memory); ``offload_optimizer`` to the CPU, whole."""
+    param = zc.offload_param
+    if param is not None and param.device != OffloadDeviceEnum.none:
+        raise ValueError(
+            "ds_odc: zero_optimization.offload_param is not supported with zero_optimization.odc: under ODC every "
+            "rank reads the other ranks' parameter shards one-sidedly, at any moment of their forward and backward, "
+            "straight from the owner's device memory (the owner takes no part in a read, so it cannot bring its "
+            "shard back from the host first). To fit a larger model, put the optimizer on the host with "
+            "zero_optimization.offload_optimizer {\"device\": \"cpu\"} (fp32 master weights and optimizer state "
+            "leave the GPU; the bf16 shards and the gradient accumulator stay), and shard over as many ranks as "
+            "possible: leave zero_optimization.odc.shard_size unset (every rank) or make it larger.")
+    if engine.super_offload():
+        raise _reject("zero_optimization.offload_optimizer.super_offload", "SuperOffload replaces the stage-3 "
+                      "optimizer ODC extends; offload_optimizer {\"device\": \"cpu\"} without it is supported")
+    optimizer = zc.offload_optimizer
+    if optimizer is None or optimizer.device == OffloadDeviceEnum.none:
+        return
+    if optimizer.device == OffloadDeviceEnum.nvme:
+        raise _reject("zero_optimization.offload_optimizer.device=nvme", "the optimizer state can live in CPU "
+                      "memory under ODC, not on NVMe; set offload_optimizer.device to \"cpu\"")
+    if optimizer.ratio != 1.0:
+        raise _reject(f"zero_optimization.offload_optimizer.ratio={optimizer.ratio}", "partial optimizer offload is "
+                      "not supported; use ratio 1.0 (every sub-group on the CPU)")

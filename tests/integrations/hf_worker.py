@@ -246,6 +246,56 @@ def scenario_split(tmp: str):
               "truncated": int(sampler.data_report.truncated.size)})
 
 
+def scenario_offload(tmp: str):
+    """transformers' own Trainer with the optimizer on the host (``offload_optimizer``, torch's AdamW there), every
+    rank running the configured accumulation steps: ``"odc": true`` against stock ZeRO-3 with the same offload, the
+    logged loss and gradient norm of every step (bounded by stock's distance from the same Trainer in float64 through
+    DDP, as scenario_equivalence) and the parameters at the end."""
+    import torch
+    import torch.distributed as dist
+    from transformers import Trainer
+
+    from _hf_workload import ds_config
+    from ds_odc.integrations import match_accelerate_backend
+    from ds_odc.training.collate import PackedCollator
+
+    world, steps = dist.get_world_size(), 3
+    data = token_dataset(2 * world * steps)
+    base = tiny_llama()
+    fp64_model = copy.deepcopy(base).double()
+    args = dict(per_device_train_batch_size=1, gradient_accumulation_steps=2, max_steps=steps,
+                train_sampling_strategy="sequential")
+    trainers, out = {}, {}
+    for name in ("stock", "odc"):
+        config = ds_config(odc=name == "odc")
+        config["zero_optimization"]["offload_optimizer"] = {"device": "cpu", "pin_memory": True}
+        config["zero_force_ds_cpu_optimizer"] = False  # torch's AdamW on the host, knowingly
+        trainer = Trainer(copy.deepcopy(base), training_args(f"{tmp}/{name}", odc=False, deepspeed=config, **args),
+                          train_dataset=data, data_collator=PackedCollator())
+        match_accelerate_backend(trainer.args)
+        trainer.train()
+        import deepspeed
+        params = list(trainer.model_wrapped.module.parameters())
+        with deepspeed.zero.GatheredParameters(params):
+            flat = torch.cat([p.detach().float().reshape(-1).clone() for p in params])
+        optimizer = trainer.model_wrapped.optimizer
+        trainers[name] = trainer
+        out[name] = {"params": flat, "optimizer": type(optimizer).__name__,
+                     "offloaded": bool(optimizer.offload_optimizer)}
+    if CPU:
+        with without_deepspeed():
+            trainers["fp64"] = Trainer(fp64_model, training_args(f"{tmp}/fp64", odc=False, deepspeed=None, **args),
+                                       train_dataset=data, data_collator=PackedCollator())
+            trainers["fp64"].train()
+    initial = torch.cat([p.detach().float().reshape(-1) for p in base.parameters()])
+    if dist.get_rank() == 0:
+        stock, odc = out["stock"].pop("params"), out["odc"].pop("params")
+        emit({**out, "params_rel_diff": float((odc - stock).norm() / stock.norm()),
+              "moved": float((stock - initial).norm() / initial.norm()),
+              "loss": {k: logged(t, "loss") for k, t in trainers.items()},
+              "grad_norm": {k: logged(t, "grad_norm") for k, t in trainers.items()}})
+
+
 def main():
     init_ranks(timeout_s=60)
     with shared_tmpdir("odc_hf_") as tmp:  # removed when the scenario is done

@@ -115,3 +115,13 @@ def test_trl_sft_logs_equal_stock_sft_trainer():
         assert set(mine) == set(theirs), set(mine) ^ set(theirs)
         assert {"loss", "grad_norm", "entropy", "mean_token_accuracy", "num_tokens"} <= set(mine)
     assert_within(*compare_logs("odc", odc, stock, out["fp64"], default_scale=1e-6))  # not parameters: see equal_to
+
+
+def test_stock_trainer_with_the_optimizer_on_the_host():
+    """transformers' Trainer, offload_optimizer to the CPU (torch's AdamW there), equal counts: "odc": true logs the
+    same loss and gradient norm as stock ZeRO-3 with the same offload at every step, within stock's own distance from
+    a float64 run (tests/_support/tolerance.py)."""
+    out = launch(WORKER, 2, ["offload"], timeout=240).check().result
+    assert out["stock"]["offloaded"] and out["odc"]["offloaded"] and out["odc"]["optimizer"] == "OdcOptimizer", out
+    assert_within(*equal_to(out, "odc"))
+    assert out["moved"] > 1e-2, out  # it trained (parameters: AdamW's rounding is heavy-tailed, see equal_to)

@@ -22,6 +22,9 @@ def tiny_llama(seed: int = 0, frozen_embeddings: bool = False, dtype=torch.float
 
 
 DEVICE = torch.device("cpu")  # worker.py sets cuda:N when the scenarios run on GPUs (tests/gpu)
+# ``--offload`` of the workers: "odc" puts the optimizer of every ODC engine on the host (stock engines stay the
+# reference without offload), "both" every engine's; ds_config's ``offload`` argument overrides it.
+OFFLOAD = ""
 
 
 def minibatch(step: int, num_samples: int, min_len: int = 4, max_len: int = 24) -> list[torch.Tensor]:
@@ -32,8 +35,13 @@ def minibatch(step: int, num_samples: int, min_len: int = 4, max_len: int = 24) 
 
 
 def ds_config(odc, *, gas: int = 1, clip: float = 0.0, managed: bool = True, lr: float = 1e-2, bf16: bool = False,
-              bucket: int = 3000, extra_zero: dict | None = None, optimizer: str = "adamw") -> dict:
-    """``optimizer="sgd"`` leaves the optimizer to the caller (see ``client_optimizer``)."""
+              bucket: int = 3000, extra_zero: dict | None = None, optimizer: str = "adamw",
+              offload: bool | None = None) -> dict:
+    """``optimizer="sgd"`` leaves the optimizer to the caller (see ``client_optimizer``). ``offload``: the optimizer on
+    the host (``offload_optimizer`` to the CPU, pinned), stepped by the torch optimizer (config ``torch_adam`` or the
+    client's: DeepSpeed's CPU Adam JIT-compiles for over a minute); None: as ``OFFLOAD`` says."""
+    if offload is None:
+        offload = OFFLOAD == "both" or (OFFLOAD == "odc" and odc is not None)
     zero = {
         "stage": 3,
         "stage3_param_persistence_threshold": 0,
@@ -44,6 +52,8 @@ def ds_config(odc, *, gas: int = 1, clip: float = 0.0, managed: bool = True, lr:
     }
     if odc is not None:
         zero["odc"] = odc
+    if offload:
+        zero["offload_optimizer"] = {"device": "cpu", "pin_memory": True}
     zero.update(extra_zero or {})
     config = {
         "train_micro_batch_size_per_gpu": 1,
@@ -56,6 +66,8 @@ def ds_config(odc, *, gas: int = 1, clip: float = 0.0, managed: bool = True, lr:
     if optimizer == "adamw":
         config["optimizer"] = {"type": "AdamW", "params": {"lr": lr, "betas": [0.9, 0.99], "eps": 1e-8,
                                                            "weight_decay": 0.01, "torch_adam": True}}
+    if offload:
+        config["zero_force_ds_cpu_optimizer"] = False  # a torch optimizer on the host, knowingly
     if not managed:
         config["managed_gradient_accumulation"] = False
     if bf16:

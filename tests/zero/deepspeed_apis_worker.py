@@ -34,6 +34,7 @@ from _support.launch import emit
 from ds_odc.training.distributed import shutdown_and_exit
 
 sys.path.insert(0, os.path.dirname(__file__))
+import _workload  # noqa: E402
 from _workload import ds_config, flat, full_params, minibatch, odc_vs_stock, tiny_llama  # noqa: E402
 from worker import build, init_ranks, stock_rounding  # noqa: E402
 
@@ -148,7 +149,11 @@ def main():
     parser.add_argument("--shard-size", type=int, default=0, help="ODC with zero_optimization.odc.shard_size")
     parser.add_argument("--dir", required=True, help="a folder the test owns and removes (save_16bit_model)")
     parser.add_argument("--local_rank", type=int, default=None)
+    parser.add_argument("--offload", choices=["odc", "both"], default="",
+                        help="offload_optimizer to the CPU for ODC's engines (stock without offload stays the "
+                             "reference), or for stock's too")
     args = parser.parse_args()
+    _workload.OFFLOAD = args.offload
     init_ranks(timeout_s=60)
     named = [s for s in SECTIONS + OPTIONAL if s.__name__ in args.only.split(",")] if args.only else SECTIONS
     sections = []

@@ -28,6 +28,7 @@ from _support.launch import emit, expect_error
 from ds_odc.training.distributed import shutdown_and_exit
 
 sys.path.insert(0, os.path.dirname(__file__))
+import _workload  # noqa: E402
 from _workload import ds_config, flat, full_params, minibatch, odc_vs_stock, tiny_llama  # noqa: E402
 from worker import build, init_ranks, stock_rounding  # noqa: E402
 
@@ -240,7 +241,11 @@ def main():
     parser = argparse.ArgumentParser()
     parser.add_argument("scenario", choices=["apis", "refusals"])
     parser.add_argument("--shard-size", type=int, default=0, help="apis with zero_optimization.odc.shard_size")
+    parser.add_argument("--offload", choices=["odc", "both"], default="",
+                        help="offload_optimizer to the CPU for ODC's engines (stock without offload stays the "
+                             "reference), or for stock's too")
     args = parser.parse_args()
+    _workload.OFFLOAD = args.offload
     init_ranks(timeout_s=60)
     globals()[f"scenario_{args.scenario}"](args)
     shutdown_and_exit()

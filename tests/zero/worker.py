@@ -141,7 +141,8 @@ def scenario_equal(args):
                 engine.backward(loss)
                 engine.step()
                 losses.append(loss.item())
-        results[name] = (full_params(engine), losses, type(engine.optimizer).__name__)
+        results[name] = (full_params(engine), losses, type(engine.optimizer).__name__,
+                         engine.optimizer.offload_optimizer)
     stock, odc = results["stock"][0], results["odc"][0]
     # Sample order of the reference: step s's samples in index order, which is how ranks x GAS slots cover them.
     dtype = getattr(torch, args.reference_dtype)
@@ -156,7 +157,8 @@ def scenario_equal(args):
            # the reference's loss of each sample this rank trained, in the order of loss_stock
            "loss_ref": [sample_losses[step * gas * world + k * world + rank] for step in range(steps)
                         for k in range(gas)],
-           "optimizers": [results["stock"][2], results["odc"][2]]}
+           "optimizers": [results["stock"][2], results["odc"][2]],
+           "offloaded": [results["stock"][3], results["odc"][3]]}
     if rank == 0:
         emit(out)
 
@@ -201,7 +203,15 @@ def scenario_uneven(args):
               "persistent_params": persistent, "reads": len(reads), "params_read": sum(reads), "module_fetches": len(fetches),
               "prefetches_waiting": max(in_flight, default=0),
               "gradient_buckets_allocated": sum(b.buffer is not None for b in engine.optimizer.ipg_buckets.values()),
-              "optimizer": type(engine.optimizer).__name__, "grad_norm": float(engine.get_global_grad_norm())})
+              "optimizer": type(engine.optimizer).__name__, "grad_norm": float(engine.get_global_grad_norm()),
+              "offloaded": engine.optimizer.offload_optimizer, "host_step_s": host_step_seconds(engine)})
+
+
+def host_step_seconds(engine) -> dict | None:
+    """ODC's host step times of the last step (copy out, CPU optimizer, copy back) when the optimizer is offloaded."""
+    import dataclasses
+    times = engine.optimizer.odc_host_step_times
+    return None if times is None else dataclasses.asdict(times)
 
 
 def scenario_repeatable(args):
@@ -397,7 +407,8 @@ def scenario_fault(args):
 def scenario_rejects(args):
     """Every unsupported option must raise ValueError naming it at deepspeed.initialize."""
     cases = {
-        "offload_optimizer": {"offload_optimizer": {"device": "cpu"}},
+        "offload_optimizer.device=nvme": {"offload_optimizer": {"device": "nvme", "nvme_path": "/nonexistent"}},
+        "offload_optimizer.ratio": {"offload_optimizer": {"device": "cpu", "ratio": 0.5}},
         "offload_param": {"offload_param": {"device": "cpu"}},
         "zero_hpz_partition_size": {"zero_hpz_partition_size": 2},
         "zero_quantized_weights": {"zero_quantized_weights": True},
@@ -462,8 +473,11 @@ def main():
     parser.add_argument("--remote", action="store_true", help="odc.force_remote_path (GPU: NVSHMEM get/put only)")
     parser.add_argument("--dir", help="a folder the test owns and removes (checkpoints)")
     parser.add_argument("--plant", choices=["drop", "weight"], help="uneven: a planted error (see scenario_uneven)")
+    parser.add_argument("--offload", choices=["odc", "both"], default="",
+                        help="offload_optimizer to the CPU for ODC's engines, or for stock's too")
     parser.add_argument("--local_rank", type=int, default=None)  # the deepspeed launcher passes it
     args = parser.parse_args()
+    _workload.OFFLOAD = args.offload
     if args.scenario == "collectives":
         count_collectives()
     init_ranks(timeout_s=args.timeout * 2 if args.scenario in ("fence_timeout", "skipped_step") else 60)
