@@ -7,10 +7,11 @@ from __future__ import annotations
 
 from typing import Any
 
+from ds_odc.zero import _deepspeed_privates as privates
 from ds_odc.zero.minibatch import MinibatchTag
 from ds_odc.zero.optimizer import OdcOptimizer
 
-__all__ = ["tag_minibatch", "holds_replica"]
+__all__ = ["tag_minibatch", "holds_replica", "destroy_engine"]
 
 
 def tag_minibatch(engine, batch: Any = None, *, epoch: int | None = None, step: int | None = None,
@@ -39,3 +40,13 @@ def holds_replica(engine) -> bool:
     optimizer = getattr(engine, "optimizer", None)
     groups = optimizer.odc.groups if isinstance(optimizer, OdcOptimizer) else None
     return groups is not None and groups.layout.shard_index > 0
+
+
+def destroy_engine(engine) -> None:
+    """Destroy ``engine``, an engine built around a model that another engine trains later (TRL builds an inference
+    engine around the policy to precompute reference log-probs): DeepSpeed's ``destroy`` takes its ZeRO-3 hooks off the
+    model's modules, and the backward functions that DeepSpeed keeps on each module from the first engine built around
+    it go too, so that the next engine's backward fetches through its own coordinator (under ODC one-sided reads, not
+    the destroyed engine's collective gathers)."""
+    engine.destroy()
+    privates.forget_backward_functions(engine.module)
