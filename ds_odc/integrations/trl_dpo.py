@@ -140,6 +140,7 @@ class OdcDPOTrainer(OdcTrainer, _DPOTrainerArgsSecond):
         release_precompute_engine(self)  # its hooks on the policy would gather with collectives in ODC's forwards
         self.odc_padding_free = packed
         self.train_dataset, self.odc_pair_tokens = pair_lengths(self.train_dataset, self.args.max_length)
+        _check_budget(self.odc_pair_tokens, options.max_tokens, options.oversize)
 
     # -- what a trainer adds: a collator, the reference log-probs and a loss ------------------------------------------
     def odc_collator(self):
@@ -243,6 +244,18 @@ def _record(metrics: SlotMetrics, slot: int, logged: dict[str, list[float]], bat
         n = counts[METRIC_COUNTS[name]]
         for value in values:
             metrics.add_mean(name, slot, float(value) * n, n)
+
+
+def _check_budget(pair_tokens: np.ndarray, budget: int | None, oversize: str) -> None:
+    """Pairs longer than the microbatch budget, refused before anything trains (``oversize="error"``)."""
+    over = np.flatnonzero(pair_tokens > budget) if budget is not None and oversize == "error" else ()
+    if len(over):
+        shown = ", ".join(str(int(i)) for i in over[:5]) + (", ..." if len(over) > 5 else "")
+        raise ValueError(f"ds_odc: {len(over)} preference pairs of the train dataset (rows {shown}) are longer than "
+                         f"max_tokens_per_microbatch={budget} (both sequences of a pair count; the longest has "
+                         f"{int(pair_tokens.max())} tokens), and a pair is never split. Raise "
+                         "max_tokens_per_microbatch, truncate the sequences with DPOConfig(max_length=...), or pass "
+                         "oversize='skip' to leave those pairs out")
 
 
 def pair_lengths(dataset, max_length: int | None):
