@@ -6,7 +6,9 @@ with LB-Mini (uneven microbatch counts), in padded microbatches or padding-free 
 in float64 under DDP (the same minibatches, the same microbatches): every fp32 run is compared with it, and ODC must
 be as close to it as stock ZeRO-3 is, within a small factor (test_trl_dpo.py). fp32, SGD, nothing downloaded.
 
-Usage: dpo_worker.py equivalence [--cases a,b] [--refusals]; rank 0 prints one ODC_RESULT line.
+Usage: dpo_worker.py equivalence [--cases a,b] [--runs a,b] [--planted] [--refusals] | gpu; rank 0 prints one
+ODC_RESULT line. With ODC_TEST_CUDA=1 (tests/gpu/test_dpo_gpu.py) the ranks train on CUDA: one GPU each, or all on
+GPU 0 over gloo (DS_ODC_SHARED_GPU=1).
 """
 
 from __future__ import annotations
@@ -30,9 +32,12 @@ from _rl_workload import char_tokenizer  # noqa: E402
 from _workload import flat, full_params, max_rel_diff, rel_diff  # noqa: E402
 from worker import init_ranks  # noqa: E402
 
+from ds_odc.balancer.sampler import BalancedBatchSampler  # noqa: E402
+
 # Runs of a case: stock TRL in float64 under DDP (the yardstick), stock DPOTrainer + ZeRO-3 (padded, and with
-# padding_free=True, which TRL 1.16 trains padded), OdcDPOTrainer padded and padding-free.
-RUNS = ("fp64", "stock", "stock_padding_free", "odc_padded", "odc_packed")
+# padding_free=True, which TRL 1.16 trains padded), OdcDPOTrainer padded and padding-free, and OdcDPOTrainer with
+# ODC off (stock ZeRO-3: it must be stock DPOTrainer exactly).
+RUNS = ("fp64", "stock", "stock_padding_free", "odc_padded", "odc_packed", "odc_off")
 CASES = {
     # TRL's default loss.
     "sigmoid": dict(loss_type=["sigmoid"], learning_rate=0.05, budget=300),
@@ -101,8 +106,10 @@ def train(run: str, tmp: str, data, base, case: dict, drop_pair: bool = False) -
     from ds_odc.balancer.cost import QuadraticCost
     case = dict(case)
     case_budget, reference = case.pop("budget"), case.pop("reference", "policy")
-    odc = run.startswith("odc")
+    odc = run in ("odc_padded", "odc_packed")
     deepspeed = None if run == "fp64" else ds_config(odc)
+    if case.get("bf16"):  # DeepSpeed's bf16 engine (fp32 master weights), not only autocast
+        deepspeed["bf16"] = {"enabled": True}
     if deepspeed is None:  # an earlier DeepSpeed run left Accelerate's switch on, and transformers' ZeRO-3 flag
         from transformers.integrations.deepspeed import unset_hf_deepspeed_config
         os.environ.pop("ACCELERATE_USE_DEEPSPEED", None)
@@ -117,7 +124,7 @@ def train(run: str, tmp: str, data, base, case: dict, drop_pair: bool = False) -
     ref_model = {"policy": lambda: copy.deepcopy(model), "none": lambda: None,
                  "other": lambda: other.double() if run == "fp64" else other}[reference]()
     kwargs = dict(ref_model=ref_model, args=config, train_dataset=data, processing_class=char_tokenizer())
-    if odc:
+    if run.startswith("odc"):
         cls = PlantedDrop if drop_pair else OdcDPOTrainer
         # A cost dominated by squared lengths (attention) gives ranks different microbatch counts more often than
         # tokens do: a rank with a long pair gets fewer pairs.
@@ -183,13 +190,13 @@ def scenario_equivalence(args):
             data = preference_dataset(16 * dist.get_world_size() * case.get("per_device_train_batch_size", 2) // 2)
             if case.get("precompute_ref_log_probs"):
                 data = on_disk(data, f"{tmp}/{name}-data")
-            from ds_odc.balancer.sampler import BalancedBatchSampler
             # The plan's epoch order (the sampler's permutation of the dataset): stock trains it sequentially.
             order = BalancedBatchSampler([1] * len(data), world_size=1, rank=0, minibatch_size=len(data),
                                          max_tokens=None, cost="tokens", seed=0).epoch_order(0).tolist()
             runs = {}
             for run in args.runs.split(","):
-                runs[run] = train(run, tmp, data if run.startswith("odc") else data.select(order), base, case)
+                runs[run] = train(run, tmp, data if run in ("odc_padded", "odc_packed") else data.select(order), base,
+                                  case)
             if name == "sigmoid" and args.planted:
                 runs["odc_dropped"] = train("odc_packed", tmp, data, base, case, drop_pair=True)
             reference = runs["fp64"]
@@ -198,12 +205,46 @@ def scenario_equivalence(args):
                 "params_vs_stock": {r: max_rel_diff(v["params"], runs["stock"]["params"]) for r, v in runs.items()},
                 "moved": rel_diff(flat(reference["params"].values()), flat(initial.values())),
                 "logs": {r: v["logs"] for r, v in runs.items()},
-                "microbatches": {r: v["microbatches"] for r, v in runs.items() if r.startswith("odc")},
+                "microbatches": {r: v["microbatches"] for r, v in runs.items() if v["microbatches"]},
                 "optimizers": {r: v["optimizer"] for r, v in runs.items()},
                 "attention": {r: v["attention"] for r, v in runs.items()},
             }
         if args.refusals:
             out["refusals"] = refusals(tmp, base)
+    if dist.get_rank() == 0:
+        emit(out)
+
+
+def scenario_gpu(args):
+    """bf16 on CUDA (tests/gpu/test_dpo_gpu.py), 2 steps of the default loss with a reference model: stock DPOTrainer
+    + ZeRO-3 in fp32 (the reference) and in bf16, OdcDPOTrainer padded and padding-free in bf16 (``ds_odc_varlen`` on
+    the GPU's kernels: heads 32 wide)."""
+    import torch.distributed as dist
+
+    from _rl_workload import tiny_qwen2
+    tok = char_tokenizer()
+    base = tiny_qwen2(vocab=len(tok), hidden_size=128)
+    base.config.pad_token_id, base.config.eos_token_id = tok.pad_token_id, tok.eos_token_id
+    initial = full_params(base)
+    case = dict(loss_type=["sigmoid"], max_steps=2, learning_rate=args.gpu_lr, budget=300)
+    with shared_tmpdir("odc_dpo_gpu_") as tmp:
+        data = preference_dataset(8 * dist.get_world_size())
+        order = BalancedBatchSampler([1] * len(data), world_size=1, rank=0, minibatch_size=len(data),
+                                     max_tokens=None, cost="tokens", seed=0).epoch_order(0).tolist()
+        runs = {"fp32": train("stock", tmp, data.select(order), base, case),
+                "stock": train("stock", tmp, data.select(order), base, {**case, "bf16": True}),
+                "padded": train("odc_padded", tmp, data, base, {**case, "bf16": True}),
+                "packed": train("odc_packed", tmp, data, base, {**case, "bf16": True})}
+    reference, stock = runs["fp32"]["params"], runs["stock"]["params"]
+    out = {"world": dist.get_world_size(), "optimizers": {v: r["optimizer"] for v, r in runs.items()},
+           "moved": rel_diff(flat(initial.values()), flat(reference.values())),
+           "stock_vs_fp32": max_rel_diff(stock, reference),
+           "loss": {v: [e["loss"] for e in r["logs"]] for v, r in runs.items()},
+           "microbatches": {v: runs[v]["microbatches"] for v in ("padded", "packed")},
+           "attention": runs["packed"]["attention"]}
+    for variant in ("padded", "packed"):
+        out[f"{variant}_vs_stock"] = max_rel_diff(runs[variant]["params"], stock)
+        out[f"{variant}_vs_fp32"] = max_rel_diff(runs[variant]["params"], reference)
     if dist.get_rank() == 0:
         emit(out)
 
@@ -241,6 +282,7 @@ def main():
     parser.add_argument("--runs", default=",".join(RUNS))
     parser.add_argument("--planted", action="store_true", help="also an ODC run that loses one pair (must fail)")
     parser.add_argument("--refusals", action="store_true")
+    parser.add_argument("--gpu-lr", type=float, default=0.1, help="gpu: the learning rate (SGD)")
     parser.add_argument("--local_rank", type=int, default=None)
     args = parser.parse_args()
     init_ranks(timeout_s=120)

@@ -115,6 +115,14 @@ def test_stock_padding_free_is_stock(two_ranks):
         assert case["logs"]["stock_padding_free"] == case["logs"]["stock"]
 
 
+def test_odc_off_is_stock(two_ranks):
+    # OdcDPOTrainer without "odc" in the DeepSpeed config: every method is DPOTrainer's.
+    for case in two_ranks["cases"].values():
+        assert case["optimizers"]["odc_off"] == "DeepSpeedZeroOptimizer_Stage3"
+        assert case["params"]["odc_off"] == case["params"]["stock"]
+        assert case["logs"]["odc_off"] == case["logs"]["stock"]
+
+
 def test_ranks_trained_uneven_microbatch_counts(two_ranks, three_ranks):
     for result in (two_ranks, three_ranks):
         for name, case in result["cases"].items():
