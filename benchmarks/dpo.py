@@ -17,7 +17,7 @@ comes from ``ds_odc.balancer.presets.MODEL_SHAPES``.
 | ``stock`` | ``trl.DPOTrainer``, stock ZeRO-3, padded microbatches of ``--per-device-batch`` pairs |
 | ``stock-padding-free`` | the same with ``DPOConfig(padding_free=True)`` (TRL 1.16 trains it padded, with a warning) |
 | ``odc-padded`` | ``OdcDPOTrainer``: LB-Mini over pairs, padded microbatches within ``--max-tokens`` |
-| ``odc-packed`` | ``OdcDPOTrainer`` with ``padding_free=True``: padding-free rows (``ds_odc_varlen``) of the same budget |
+| ``odc-packed`` | ``OdcDPOTrainer``, ``padding_free=True``: padding-free rows (``ds_odc_varlen``), the same budget |
 
 Every mode computes the reference log-probabilities during the step (the reference model scores the step's rows), or,
 with ``--precompute``, before training (``precompute_ref_log_probs``; not timed). Per optimizer step after
