@@ -25,8 +25,8 @@ tokens and the step's), to the trainer's loss: a :class:`PackRunner` through the
 
 How a trainer plugs in
 ----------------------
-A trainer over a dataset (say DPO over chosen + rejected pairs) subclasses ``OdcTrainer``, before the TRL class
-(``class OdcDPOTrainer(OdcTrainer, DPOTrainer)``), and adds
+A trainer over a dataset (DPO over chosen + rejected pairs: :mod:`.trl_dpo`) subclasses ``OdcTrainer``, before the TRL
+class (``class OdcDPOTrainer(OdcTrainer, DPOTrainer)``), and adds
 
 * a collator, ``odc_collator()``: a list of samples -> the model inputs of one microbatch (LB-Mini plans samples, so a
   pair that is one sample is never split across ranks or microbatches); the sampler reads each sample's length from
