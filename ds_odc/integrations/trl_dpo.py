@@ -27,9 +27,10 @@ and averaged by ZeRO over ranks, that is TRL's per-pair mean whatever rank train
 (``rewards/*``, ``logps/*``, ``logits/*``, ``entropy``, ``mean_token_accuracy``, ``num_tokens``) are reconstructed for
 the stock microbatches (:mod:`ds_odc.integrations._stock_metrics`): the logs show what stock DPOTrainer logs.
 
-The TRL privates this relies on (``_compute_loss``, ``_metrics``, ``_total_train_tokens``) are listed with their
-reasons in :mod:`ds_odc.integrations._hf_privates` and checked when this module is imported (tested with trl 1.16).
-See docs/HF_TRAINER.md.
+The TRL privates this relies on (``_compute_loss``, ``_metrics``, ``_total_train_tokens``, and ``_precompute_engine``,
+the inference engine TRL leaves around the policy after precomputing with it: released, see
+:func:`~ds_odc.zero.engine.destroy_engine`) are listed with their reasons in :mod:`ds_odc.integrations._hf_privates`
+and checked when this module is imported or the trainer built (tested with trl 1.16). See docs/HF_TRAINER.md.
 """
 
 from __future__ import annotations
