@@ -14,8 +14,9 @@ from __future__ import annotations
 import contextlib
 import inspect
 
-__all__ = ["TRANSFORMERS_PRIVATES", "ACCELERATE_PRIVATES", "TRL_GRPO_PRIVATES", "TRL_SFT_PRIVATES",
+__all__ = ["TRANSFORMERS_PRIVATES", "ACCELERATE_PRIVATES", "TRL_GRPO_PRIVATES", "TRL_SFT_PRIVATES", "TRL_DPO_PRIVATES",
            "INSTANCE_ATTRIBUTES", "check_transformers", "check_trl", "check_trl_instance", "set_sync_gradients",
+           "release_precompute_engine",
            "loss_shifts_labels", "remove_unused_columns", "rank_local_collectives", "match_accelerate_backend"]
 
 TRL_SUPPORTED = ">=1.16,<1.17"
@@ -58,13 +59,25 @@ TRL_GRPO_PRIVATES = {
 # trl.SFTTrainer
 # Set by the trainers' __init__: checked on the built trainer (check_trl_instance), not at import.
 INSTANCE_ATTRIBUTES = ("_metrics", "_step", "_tokenizer", "_is_vlm", "_total_train_tokens", "aux_loss_enabled",
-                       "router_aux_loss_coef")
+                       "router_aux_loss_coef", "_precompute_engine")
 
 TRL_SFT_PRIVATES = {
     "_metrics": "redirected while ODC trains a step: TRL's metrics are combined over ranks once, at the step",
     "_total_train_tokens": "the running token count TRL logs as num_tokens, set from all ranks' tokens at the step",
     "router_aux_loss_coef": "scaled while a microbatch's loss is computed: SFTTrainer adds the MoE router loss once "
                             "per microbatch, which ODC weighs by the microbatch's share of the step's samples",
+}
+# trl.DPOTrainer
+TRL_DPO_PRIVATES = {
+    "_compute_loss": "called on the pairs of each stock microbatch within an ODC microbatch: TRL's own loss and "
+                     "metrics for every loss_type, its model argument (and the trainer's ref_model, swapped around "
+                     "the call) serving the per-token log-probs of the microbatch's one forward",
+    "_metrics": "redirected while ODC trains a step: TRL's metrics are combined over ranks once, at the step",
+    "_total_train_tokens": "the running token count TRL logs as num_tokens, set from the minibatch's tokens at the "
+                           "step",
+    "_precompute_engine": "released once TRL has precomputed the reference log-probs with it: an inference engine "
+                          "around the policy itself (precompute_ref_log_probs without a ref_model), whose ZeRO-3 hooks "
+                          "stay on the policy's modules and would gather with collectives in every ODC forward",
 }
 
 
@@ -117,6 +130,16 @@ def set_sync_gradients(accelerator, value: bool) -> None:
     """See ACCELERATE_PRIVATES: sync off, Accelerate marks no boundary and does not step (ODC pushes the gradients);
     sync on, the next backward or explicit step is the boundary."""
     accelerator.gradient_state._set_sync_gradients(value)
+
+
+def release_precompute_engine(trainer) -> None:
+    """See TRL_DPO_PRIVATES: take the ZeRO-3 hooks of TRL's precompute engine off the policy's modules
+    (:func:`~ds_odc.zero.engine.destroy_engine`), once the reference log-probs are precomputed."""
+    from ds_odc.zero.engine import destroy_engine
+    engine = trainer._precompute_engine
+    if engine is not None:
+        destroy_engine(engine)
+        trainer._precompute_engine = None
 
 
 def loss_shifts_labels(trainer) -> bool:

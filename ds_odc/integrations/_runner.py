@@ -25,8 +25,8 @@ tokens and the step's), to the trainer's loss: a :class:`PackRunner` through the
 
 How a trainer plugs in
 ----------------------
-A trainer over a dataset (say DPO over chosen + rejected pairs) subclasses ``OdcTrainer``, before the TRL class
-(``class OdcDPOTrainer(OdcTrainer, DPOTrainer)``), and adds
+A trainer over a dataset (DPO over chosen + rejected pairs: :mod:`.trl_dpo`) subclasses ``OdcTrainer``, before the TRL
+class (``class OdcDPOTrainer(OdcTrainer, DPOTrainer)``), and adds
 
 * a collator, ``odc_collator()``: a list of samples -> the model inputs of one microbatch (LB-Mini plans samples, so a
   pair that is one sample is never split across ranks or microbatches); the sampler reads each sample's length from
@@ -34,6 +34,9 @@ A trainer over a dataset (say DPO over chosen + rejected pairs) subclasses ``Odc
 * a loss, ``odc_loss(model, mb, return_outputs, num_items_in_batch)``: the loss of one :class:`Microbatch`, weighted
   so that the sum over the step's microbatches on all ranks is the stock loss (times the world size: ZeRO averages
   over ranks); TRL's per-microbatch metrics are recorded in ``mb.metrics`` under each sample's ``mb.slots``;
+* optionally ``odc_prepare_step(model, microbatches)``: at the start of the step, on every rank (also one with no
+  microbatch), what all of this rank's microbatches need computed first (DPO: the reference model's log-probs, whose
+  forwards a stock ZeRO-3 reference engine runs in step with the other ranks); returns the microbatches to train;
 * optionally ``odc_step_metrics(pack, metrics)``: after the meeting, those metrics combined over ranks, one value per
   stock microbatch, to append to TRL's logs.
 
@@ -268,15 +271,22 @@ class OdcRunner(StepRunner):
             return train(mb)
 
     # -- the step ---------------------------------------------------------------------------------------------------
+    def prepare(self, model, microbatches: Sequence[Microbatch]) -> Sequence[Microbatch]:
+        """Inside the step's clock, before its first microbatch, on every rank (also one with no microbatch): what
+        the step computes for all of this rank's microbatches at once; returns the microbatches to train. Default:
+        nothing."""
+        return microbatches
+
     def step(self, model, microbatches: Sequence[Microbatch], train: Callable[[Microbatch], torch.Tensor],
              tag: MinibatchPosition) -> StepTimes:
-        """Every microbatch through :meth:`forward_backward`, then the optimizer step that every rank takes whatever
-        its count. ``tag``: which minibatch this is, checked at the step against every other rank's."""
+        """:meth:`prepare`, every microbatch through :meth:`forward_backward`, then the optimizer step that every rank
+        takes whatever its count. ``tag``: which minibatch this is, checked at the step against every other rank's."""
         trainer = self.trainer
         engine = trainer.model_wrapped  # the DeepSpeedEngine
         tag_minibatch(engine, epoch=tag.epoch, step=tag.step, label_tokens=tag.label_tokens)
         clock = StepClock()
         clock.start()
+        microbatches = self.prepare(model, microbatches)
         total = torch.zeros((), device=trainer.args.device)
         for mb in microbatches:
             set_sync_gradients(trainer.accelerator, False)
@@ -325,7 +335,8 @@ class PackRunner(OdcRunner):
     step, this rank's microbatches of it, from the same global plan on every rank (no communication).
 
     The trainer provides ``odc_collator()``, ``odc_loss(...)`` (reached through its stock ``training_step``, see the
-    module docstring), ``odc_step_metrics(pack, metrics)`` and ``odc_microbatch_collator`` (its collator choice)."""
+    module docstring), ``odc_prepare_step(model, microbatches)``, ``odc_step_metrics(pack, metrics)`` and
+    ``odc_microbatch_collator`` (its collator choice)."""
 
     def __init__(self, trainer, options: BalancerOptions, *, samples_per_rank: int, packed_attention: bool | None,
                  loss_chunk_tokens: int | None) -> None:
@@ -469,6 +480,9 @@ class PackRunner(OdcRunner):
         self.trainer.odc_step_metrics(pack, combine(everyone))
         self.position = (pack.epoch, pack.step + 1)
         return times.loss.detach()
+
+    def prepare(self, model, microbatches: Sequence[Microbatch]) -> Sequence[Microbatch]:
+        return self.trainer.odc_prepare_step(model, microbatches)
 
     def microbatches(self, pack: Pack, metrics: SlotMetrics) -> list[Microbatch]:
         """The pack's microbatches as the loss gets them."""

@@ -156,6 +156,11 @@ class OdcTrainer(RunsOdcSteps, Trainer):
         loss = (out[0] if return_outputs else out) * scale
         return (loss, out[1]) if return_outputs else loss
 
+    def odc_prepare_step(self, model, microbatches: list[Microbatch]) -> list[Microbatch]:
+        """At the start of an ODC step, on every rank (also one with no microbatch): what all of this rank's
+        microbatches need computed first. Returns the microbatches to train (here: as they are)."""
+        return microbatches
+
     def odc_step_metrics(self, pack, metrics: dict[str, list[float]]) -> None:
         """After a step's meeting: what ``odc_loss`` recorded, combined over ranks, one value per stock microbatch."""
 

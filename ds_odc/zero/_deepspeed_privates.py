@@ -23,9 +23,9 @@ from packaging.version import Version
 __all__ = ["SUPPORTED", "check_deepspeed", "skip_cpu_shm_op_build", "install_config_model", "install_optimizer_hook",
            "install_zero_init_group", "partition_over", "install_checkpoint_writers", "nvtx_ranges_only_under_a_tool",
            "list_module_parameters_once", "accumulation_of", "use_coordinator_class", "grad_partition_map",
-           "bind_param_methods", "zero3_hooks_detached", "no_rank_consistency_asserts", "no_persistent_refresh",
-           "fetch_stream", "count_available", "has_fetches_in_flight", "release_function", "gradients_kept_on_device",
-           "time_stock_host_step", "CoordinatorSeams", "Stage3Seams"]
+           "bind_param_methods", "forget_backward_functions", "zero3_hooks_detached", "no_rank_consistency_asserts",
+           "no_persistent_refresh", "fetch_stream", "count_available", "has_fetches_in_flight", "release_function",
+           "gradients_kept_on_device", "time_stock_host_step", "CoordinatorSeams", "Stage3Seams"]
 
 SUPPORTED = ">=0.19.8,<0.20"
 _MIN, _MAX = Version("0.19.8"), Version("0.20")
@@ -282,6 +282,16 @@ def bind_param_methods(param, state) -> None:
 
     param.all_gather = all_gather
     param.partition = partition
+
+
+def forget_backward_functions(module) -> None:
+    """Why: ``DeepSpeedZeRoOffload`` builds each module's backward functions (``pre_bwd_fn``, ``post_bwd_fn``) once,
+    as closures over the first engine built around the module, and every later engine reuses them: an engine built
+    after that one was destroyed would run its backward through the destroyed engine's coordinator. Dropped, the next
+    engine builds its own."""
+    for sub in module.modules():
+        sub.__dict__.pop("pre_bwd_fn", None)
+        sub.__dict__.pop("post_bwd_fn", None)
 
 
 @contextlib.contextmanager

@@ -14,7 +14,7 @@ from ds_odc.zero.host_step import HostStepTimes
 from ds_odc.zero.minibatch import MinibatchTag
 from ds_odc.zero.optimizer import OdcOptimizer
 
-__all__ = ["tag_minibatch", "holds_replica", "host_step_timer", "symmetric_device_bytes"]
+__all__ = ["tag_minibatch", "holds_replica", "host_step_timer", "symmetric_device_bytes", "destroy_engine"]
 
 
 def tag_minibatch(engine, batch: Any = None, *, epoch: int | None = None, step: int | None = None,
@@ -78,3 +78,13 @@ def symmetric_device_bytes(engine) -> int:
     if not isinstance(optimizer, OdcOptimizer):
         return 0
     return int(getattr(optimizer.odc.transport, "symmetric_bytes", 0))
+
+
+def destroy_engine(engine) -> None:
+    """Destroy ``engine``, an engine built around a model that another engine trains later (TRL builds an inference
+    engine around the policy to precompute reference log-probs): DeepSpeed's ``destroy`` takes its ZeRO-3 hooks off the
+    model's modules, and the backward functions that DeepSpeed keeps on each module from the first engine built around
+    it go too, so that the next engine's backward fetches through its own coordinator (under ODC one-sided reads, not
+    the destroyed engine's collective gathers)."""
+    engine.destroy()
+    privates.forget_backward_functions(engine.module)

@@ -1,4 +1,4 @@
-"""The GRPO and TRL SFT examples started the way TRL users start them: ``accelerate launch --config_file`` with a
+"""The GRPO, DPO and TRL SFT examples started the way TRL users start them: ``accelerate launch --config_file`` with a
 ZeRO-3 accelerate config whose ``deepspeed_config_file`` turns ODC on (2 CPU ranks)."""
 
 from __future__ import annotations
@@ -36,3 +36,10 @@ def test_grpo_example_under_accelerate_launch(tmp_path):
 def test_trl_sft_example_under_accelerate_launch(tmp_path):
     out = accelerate_launch("trl_sft.py", "--max-steps", "2", "--output-dir", str(tmp_path))
     assert "done: 2 steps" in out and "odc/bubble" in out, out[-2000:]
+
+
+def test_dpo_example_under_accelerate_launch(tmp_path):
+    out = accelerate_launch("dpo.py", "--max-steps", "5", "--output-dir", str(tmp_path))
+    assert "done: 5 steps (odc + lb-mini)" in out, out[-2000:]  # the automatic cost is fitted after a few steps
+    for key in ("odc/microbatches_rank1", "odc/bubble", "odc/cost_b", "rewards/accuracies", "logps/chosen"):
+        assert key in out, key
