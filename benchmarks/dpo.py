@@ -110,7 +110,7 @@ def run_worker(args) -> dict:
     from trl import DPOConfig, DPOTrainer
 
     from ds_odc.balancer.sampler import BalancedBatchSampler
-    from ds_odc.integrations import match_accelerate_backend
+    from ds_odc.integrations import activation_checkpointing, match_accelerate_backend
     from ds_odc.integrations.trl_dpo import OdcDPOTrainer
     from ds_odc.recipes.toy_text import char_tokenizer
 
@@ -133,7 +133,7 @@ def run_worker(args) -> dict:
         gradient_accumulation_steps=args.pairs // (world * args.per_device_batch), max_steps=args.steps,
         loss_type=[args.loss_type], beta=0.1, learning_rate=1e-6, optim="adamw_torch", lr_scheduler_type="constant",
         logging_steps=1, save_strategy="no", report_to=[], use_cpu=not on_gpu, bf16=on_gpu,
-        activation_checkpointing=on_gpu, seed=args.seed, data_seed=args.seed, disable_tqdm=True,
+        **activation_checkpointing(on_gpu), seed=args.seed, data_seed=args.seed, disable_tqdm=True,
         deepspeed=ds_config, dataloader_num_workers=0, max_length=None,
         padding_free=mode in ("stock-padding-free", "odc-packed"), precompute_ref_log_probs=args.precompute,
         train_sampling_strategy="random" if odc else "sequential",

@@ -31,6 +31,7 @@ import re
 import torch
 
 import ds_odc  # noqa: F401  (teaches DeepSpeed the `odc` key before GRPOConfig and the model)
+from ds_odc.integrations import activation_checkpointing
 from ds_odc.training.distributed import init_distributed, output_folder, shutdown
 from ds_odc.recipes.toy_text import char_tokenizer
 
@@ -140,7 +141,7 @@ def main():
         num_generations=args.num_generations, gradient_accumulation_steps=args.grad_accum, max_steps=args.max_steps,
         max_completion_length=args.max_new_tokens, loss_type=args.loss_type, learning_rate=1e-4 if on_gpu else 1e-3,
         beta=0.0, logging_steps=1, save_strategy="no", report_to=[], use_cpu=not on_gpu, bf16=on_gpu,
-        activation_checkpointing=on_gpu, optim="adamw_torch", seed=0, disable_tqdm=True, log_completions=False,
+        **activation_checkpointing(on_gpu), optim="adamw_torch", seed=0, disable_tqdm=True, log_completions=False,
         reward_weights=[1.0, 0.2], deepspeed=deepspeed_config, dataloader_num_workers=0,
     )
     tokenizer = AutoTokenizer.from_pretrained(args.model) if args.model else char_tokenizer()

@@ -21,7 +21,7 @@ import random
 import torch
 
 import ds_odc  # noqa: F401  (teaches DeepSpeed the `odc` key before SFTConfig and the model)
-from ds_odc.integrations import match_accelerate_backend
+from ds_odc.integrations import activation_checkpointing, match_accelerate_backend
 from ds_odc.recipes.toy_text import char_tokenizer
 from ds_odc.training.distributed import init_distributed, output_folder, shutdown
 
@@ -91,7 +91,7 @@ def main():
         logging_steps=1, save_strategy="no", report_to=[], use_cpu=not torch.cuda.is_available(),
         bf16=torch.cuda.is_available(),  # TRL's default is bf16, which on CPU means slow bf16 autocast
         optim="adamw_torch", seed=0, disable_tqdm=True, max_length=None, padding_free=True,
-        activation_checkpointing=True, deepspeed=deepspeed_config,  # what SFTConfig defaults to
+        **activation_checkpointing(True), deepspeed=deepspeed_config,  # what SFTConfig defaults to
     )
     data = synthetic_pairs(args.num_samples)
     common = dict(train_dataset=data, processing_class=tokenizer, peft_config=lora_config(args.lora))

@@ -11,13 +11,14 @@ lazily so ``import ds_odc`` never pulls in transformers or TRL.
 from __future__ import annotations
 
 __all__ = ["OdcTrainer", "OdcSFTTrainer", "OdcDPOTrainer", "OdcGRPOTrainer", "lockstep_free",
-           "match_accelerate_backend"]
+           "match_accelerate_backend", "activation_checkpointing"]
 
 _WHERE = {"OdcTrainer": "ds_odc.integrations.transformers", "OdcSFTTrainer": "ds_odc.integrations.trl_sft",
           "OdcDPOTrainer": "ds_odc.integrations.trl_dpo",
           "OdcGRPOTrainer": "ds_odc.integrations.trl_grpo",
           "lockstep_free": "ds_odc.integrations.generation",
-          "match_accelerate_backend": "ds_odc.integrations._hf_privates"}
+          "match_accelerate_backend": "ds_odc.integrations._hf_privates",
+          "activation_checkpointing": "ds_odc.integrations.arguments"}
 
 
 def __getattr__(name: str):

@@ -87,11 +87,14 @@ def on_disk(data, folder: str):
 def dpo_config(output_dir: str, deepspeed: dict | None, **overrides):
     import torch
     from trl import DPOConfig
+
+    from ds_odc.integrations import activation_checkpointing
     kwargs = dict(output_dir=output_dir, per_device_train_batch_size=2, gradient_accumulation_steps=2, max_steps=4,
                   optim="sgd", lr_scheduler_type="constant", warmup_steps=0, weight_decay=0.0, max_grad_norm=0.0,
                   logging_steps=1, save_strategy="no", report_to=[], use_cpu=not torch.cuda.is_available(), seed=0,
-                  disable_tqdm=True, bf16=False, activation_checkpointing=False, beta=0.1, deepspeed=deepspeed,
+                  disable_tqdm=True, bf16=False, beta=0.1, deepspeed=deepspeed,
                   dataloader_num_workers=0, dataloader_pin_memory=False, max_length=None)
+    kwargs.update(activation_checkpointing(overrides.pop("activation_checkpointing", False)))
     kwargs.update(overrides)
     return DPOConfig(**kwargs)
 
