@@ -3,13 +3,15 @@
 CPU (tiny random model, a character tokenizer built in code, synthetic preference pairs; nothing downloaded):
     .venv/bin/torchrun --standalone --nproc_per_node 2 examples/dpo.py
     .venv/bin/torchrun --standalone --nproc_per_node 2 examples/dpo.py --no-padding-free   # padded microbatches
+    .venv/bin/torchrun --standalone --nproc_per_node 2 examples/dpo.py --lora 8    # LoRA adapters (needs peft)
     .venv/bin/torchrun --standalone --nproc_per_node 2 examples/dpo.py --no-odc    # stock DPOTrainer + ZeRO-3 (its
                                                            # own sampler: the same pairs in another order)
     .venv/bin/accelerate launch --config_file ds_configs/accelerate_zero3_odc_cpu.yaml examples/dpo.py
 
 A pair (a prompt, a chosen and a rejected completion) is one sample for LB-Mini: it is never split across ranks or
 microbatches and costs both of its sequences. Each rank trains its share of a step's pairs in as many microbatches as
-it needs (padding-free rows by default), and the reference model scores the same rows. The loss and the metrics TRL
+it needs (padding-free rows by default), and the reference model scores the same rows (with ``--lora``: the base
+model with the adapters disabled, as TRL does; no reference copy is kept). The loss and the metrics TRL
 logs (``rewards/*``, ``logps/*``, ``logits/*``, ...) are the values stock DPOTrainer would log for the same
 minibatches. Every log line also carries ``odc/microbatches_rank{r}`` and ``odc/bubble``. Needs ``pip install trl``
 (tested with trl 1.16).
@@ -37,6 +39,8 @@ def parse_args():
                    help="ODC on (default) or stock ZeRO-3 (torchrun only; with accelerate the config file decides)")
     p.add_argument("--padding-free", action=argparse.BooleanOptionalAction, default=True,
                    help="ODC trains padding-free rows (DPOConfig.padding_free); TRL 1.16 itself pads either way")
+    p.add_argument("--lora", type=int, default=None, metavar="RANK",
+                   help="train LoRA adapters of this rank (peft_config; every linear layer but the LM head)")
     p.add_argument("--max-steps", type=int, default=10)
     p.add_argument("--per-device-batch", type=int, default=4)
     p.add_argument("--grad-accum", type=int, default=2)
@@ -76,6 +80,14 @@ def tiny_llama(tokenizer):
                                         pad_token_id=tokenizer.pad_token_id, eos_token_id=tokenizer.eos_token_id))
 
 
+def lora_config(rank: int | None):
+    """LoRA adapters of ``rank`` on every linear layer but the LM head (``None``: train the whole model)."""
+    if not rank:
+        return None
+    from peft import LoraConfig
+    return LoraConfig(r=rank, lora_alpha=2 * rank, lora_dropout=0.0, target_modules="all-linear")
+
+
 def main():
     args = parse_args()
     init_distributed(shared_gpu=args.shared_gpu or None)
@@ -102,10 +114,12 @@ def main():
         padding_free=args.padding_free, deepspeed=deepspeed_config,
     )
     # Built after DPOConfig: under ZeRO-3 transformers partitions them while they are built. A random-init policy has
-    # no checkpoint TRL could load a reference from, so the reference is passed: the same weights.
-    model, ref_model = tiny_llama(tokenizer), tiny_llama(tokenizer)
+    # no checkpoint TRL could load a reference from, so the reference is passed: the same weights. With LoRA adapters
+    # the reference is the policy's base model with the adapters disabled (TRL's choice without a ref_model).
+    model = tiny_llama(tokenizer)
+    ref_model = None if args.lora else tiny_llama(tokenizer)
     common = dict(ref_model=ref_model, args=config, train_dataset=preference_pairs(args.num_pairs),
-                  processing_class=tokenizer)
+                  processing_class=tokenizer, peft_config=lora_config(args.lora))
     if args.odc or accelerate_config:  # OdcDPOTrainer defers to DPOTrainer when the config has no odc
         trainer = OdcDPOTrainer(model, max_tokens_per_microbatch=args.max_tokens, **common)
     else:

@@ -15,7 +15,10 @@ The reference model's log-probabilities of a step's pairs are computed on the sa
 of the step (:meth:`OdcDPOTrainer.odc_prepare_step`): TRL's reference model is a stock ZeRO-3 engine, whose every
 forward gathers parameters with collectives, so every rank runs as many reference forwards as the rank with the most
 microbatches (two-token forwards past its own). With ``precompute_ref_log_probs=True`` TRL computes them before
-training, in its own batches, and the step reads them from the dataset.
+training, in its own batches, and the step reads them from the dataset. With LoRA adapters (``peft_config`` or a
+``PeftModel``) and no ``ref_model``, the reference is TRL's: the policy's base model with the adapters disabled (or
+the frozen copy of a ``PeftModel``'s initial adapter TRL names "ref"), through the policy's own ODC forwards, which
+wait for no other rank: each rank runs only its own.
 
 The loss equals TRL's for every loss type whose value is a mean over the pairs of a microbatch (the default
 ``sigmoid`` and all but ``aot``, ``aot_unpaired`` and ``sft``, which are refused): within each ODC microbatch, TRL's own

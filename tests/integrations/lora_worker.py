@@ -7,7 +7,7 @@ stock trainer in float64 without DeepSpeed (DDP on the same ranks), whose distan
 bounds (``tests/_support/tolerance.py``). It records which parameters ODC pushed gradients for, and the size of ODC's gradient
 accumulator. fp32, SGD (Adam where a resume must restore optimizer state).
 
-Usage: lora_worker.py SCENARIO[,SCENARIO...] (trainer, sft, grpo); rank 0 prints one ODC_RESULT line.
+Usage: lora_worker.py SCENARIO[,SCENARIO...] (trainer, sft, grpo, dpo); rank 0 prints one ODC_RESULT line.
 """
 
 from __future__ import annotations
@@ -313,6 +313,141 @@ def resume_grpo(model_path: str, tmp: str) -> dict:
     losses = [logged(t, "loss") for t in (full, resumed)]
     return {"losses": [losses[0][-2:], losses[1][-2:]], "steps_run": [len(l) for l in losses],
             "adapters": adapter_distance(adapters(resumed), adapters(full))}
+
+
+# -- OdcDPOTrainer with peft_config -----------------------------------------------------------------------------------
+DPO_BUDGET = 300  # tokens of a microbatch's pairs (both sequences of each): uneven microbatch counts at 2 ranks
+
+
+def train_dpo(tmp: str, name: str, base, data, odc: bool, fp64: bool = False, peft_model: bool = False,
+              resume: str | None = None, adapter_seed: int = 0, **overrides):
+    """One DPO run of ``base``'s LoRA adapters (initialised from ``adapter_seed``) without a ``ref_model``:
+    OdcDPOTrainer (LB-Mini; padding-free rows unless ``padding_free=False``), DPOTrainer with stock ZeRO-3 (``odc``
+    False), or in float64 under DDP (``fp64``). ``peft_model``: a ``PeftModel`` instead of ``peft_config``. Returns
+    the trainer and the pushes ODC made."""
+    import torch
+    from peft import get_peft_model
+    from trl import DPOTrainer
+
+    from _rl_workload import char_tokenizer
+    from dpo_worker import dpo_config
+    from ds_odc.balancer.cost import QuadraticCost
+    from ds_odc.integrations import match_accelerate_backend
+    from ds_odc.integrations.trl_dpo import OdcDPOTrainer
+
+    if fp64:
+        with without_deepspeed():
+            return train_dpo(tmp, name, base.double(), data, odc=False, deepspeed=None, adapter_seed=adapter_seed,
+                             **overrides)
+    settings = dict(padding_free=odc, activation_checkpointing=True, loss_type=["sigmoid"], learning_rate=2.0,
+                    **({} if odc else {"train_sampling_strategy": "sequential"}))
+    config = dpo_config(f"{tmp}/{name}", overrides.pop("deepspeed", ds_config(odc)), **{**settings, **overrides})
+    torch.manual_seed(adapter_seed)  # the adapters' initialisation
+    model, peft = (get_peft_model(base, lora_config()), None) if peft_model else (base, lora_config())
+    kwargs = dict(args=config, train_dataset=data, processing_class=char_tokenizer(), peft_config=peft)
+    if odc:
+        # A cost dominated by squared lengths: a rank with a long pair gets fewer pairs (uneven microbatch counts).
+        trainer = OdcDPOTrainer(model, max_tokens_per_microbatch=DPO_BUDGET,
+                                balancer_cost=QuadraticCost(a=1.0, b=0.1, c=0.0), **kwargs)
+    else:
+        trainer = DPOTrainer(model, **kwargs)
+        match_accelerate_backend(trainer.args)
+    with recording_pushes() as seen:
+        trainer.train(resume_from_checkpoint=resume)
+    return trainer, seen
+
+
+@contextlib.contextmanager
+def reference_with_adapters():
+    """The planted error of the reference: OdcDPOTrainer's reference forwards leave the adapters on (the reference
+    is then the policy itself)."""
+    from ds_odc.integrations import trl_dpo
+    use_adapter = trl_dpo.use_adapter
+    trl_dpo.use_adapter = lambda model, adapter_name: contextlib.nullcontext()
+    try:
+        yield
+    finally:
+        trl_dpo.use_adapter = use_adapter
+
+
+def policy_adapters(trainer) -> dict:
+    """The trained adapter ("default"), without the frozen copy named "ref" that TRL adds to a PeftModel."""
+    return {k: v for k, v in adapters(trainer).items() if ".ref." not in k}
+
+
+def reference_of(trainer) -> dict:
+    """Where the trainer's reference log-probs come from: no ``ref_model`` (the policy's base model, through its
+    adapters: disabled, or the one named "ref"), the adapters it holds; and whether checkpointing is on."""
+    model = trainer.accelerator.unwrap_model(trainer.model)
+    return {"ref_model": trainer.ref_model is None, "adapters": sorted(model.peft_config),
+            "checkpointing": bool(model.is_gradient_checkpointing),
+            "reentrant": (trainer.args.gradient_checkpointing_kwargs or {}).get("use_reentrant")}
+
+
+def scenario_dpo(tmp: str) -> dict:
+    """``peft_config`` in OdcDPOTrainer (padding-free rows, uneven microbatch counts) against DPOTrainer with stock
+    ZeRO-3 and in float64, fed the minibatches in the plan's order: adapters and every value DPOTrainer logs (its
+    ``rewards/*`` are the policy's log-probs less the reference's, the base model with the adapters disabled, as TRL
+    does without a ``ref_model``). Besides: a PeftModel in padded microbatches (TRL's reference is then a frozen copy
+    of the initial adapter, named "ref": zero, so the same reference); an ODC run whose reference forwards leave the
+    adapters on (the planted error); the adapters saved; a resume from a checkpoint."""
+    import torch.distributed as dist
+
+    from _rl_workload import char_tokenizer
+    from dpo_worker import preference_dataset
+
+    tok = char_tokenizer()
+    base = tiny_llama(vocab=len(tok))
+    base.config.pad_token_id, base.config.eos_token_id = tok.pad_token_id, tok.eos_token_id
+    data = preference_dataset(16 * dist.get_world_size())
+    runs, seen = {}, {}
+    runs["odc"], seen["odc"] = train_dpo(tmp, "odc", copy.deepcopy(base), data, odc=True)
+    ordered = data.select(runs["odc"].odc_pack_sampler.sampler.epoch_order(0).tolist())
+    runs["stock"], _ = train_dpo(tmp, "stock", copy.deepcopy(base), ordered, odc=False)
+    runs["fp64"], _ = train_dpo(tmp, "fp64", copy.deepcopy(base), ordered, odc=False, fp64=True)
+    runs["peft_model"], seen["peft_model"] = train_dpo(tmp, "peft_model", copy.deepcopy(base), data, odc=True,
+                                                       peft_model=True, padding_free=False)
+    with reference_with_adapters():
+        runs["planted"], _ = train_dpo(tmp, "planted", copy.deepcopy(base), data, odc=True)
+    odc = runs["odc"]
+    final = adapters(odc)
+    odc.save_model(f"{tmp}/odc-final")  # collective under ZeRO-3
+    saved = None
+    if dist.get_rank() == 0:
+        from safetensors.torch import load_file
+        stored = load_file(os.path.join(tmp, "odc-final", "adapter_model.safetensors"))
+        live = {k.replace(".default", ""): v for k, v in final.items()}  # PEFT stores the adapter without its name
+        saved = {"keys_match": sorted(stored) == sorted(live),
+                 "max_abs_diff": max(float((stored[k].double() - live[k]).abs().max()) for k in live if k in stored)}
+    weights = {name: policy_adapters(t) for name, t in runs.items()}
+    return {"adapters": {name: adapter_distance(w, weights["stock"]) for name, w in weights.items()},
+            "lora_b_norm": max(float(v.norm()) for k, v in weights["stock"].items() if "lora_B" in k),  # from 0
+            "fp64_dtype": str(next(p for p in runs["fp64"].model.parameters() if p.requires_grad).dtype),
+            "reference": {name: reference_of(t) for name, t in runs.items()},
+            "logs": {name: step_logs(t) for name, t in runs.items()},
+            "microbatches": {v: microbatch_counts(runs[v]) for v in ("odc", "peft_model")},
+            "pushes": {v: pushes(runs[v], seen[v]) for v in seen},
+            "optimizer": type(odc.model_wrapped.optimizer).__name__, "saved": saved,
+            "resume": resume_dpo(tmp, base, data)}
+
+
+def resume_dpo(tmp: str, base, data) -> dict:
+    """4 steps with Adam and a checkpoint at step 2; a new trainer whose adapters start elsewhere, resumed from the
+    checkpoint, must log the same losses at steps 3 and 4 and end with the same adapters."""
+    import torch
+    from peft import get_peft_model
+
+    common = dict(max_steps=4, save_strategy="steps", save_steps=2, optim="adamw_torch", learning_rate=1e-2)
+    full, _ = train_dpo(tmp, "full", copy.deepcopy(base), data, odc=True, **common)
+    resumed, _ = train_dpo(tmp, "resumed", copy.deepcopy(base), data, odc=True, resume=f"{tmp}/full/checkpoint-2",
+                           adapter_seed=7, **common)
+    torch.manual_seed(7)
+    elsewhere = {k: v for k, v in full_params(get_peft_model(copy.deepcopy(base), lora_config()), torch.float64).items()
+                 if "lora_" in k}
+    losses = [{e["step"]: e["loss"] for e in t.state.log_history if "loss" in e} for t in (full, resumed)]
+    return {"losses": [[d.get(s) for s in (3, 4)] for d in losses],
+            "adapters": adapter_distance(policy_adapters(resumed), policy_adapters(full)),
+            "started_elsewhere": adapter_distance(elsewhere, policy_adapters(full))}
 
 
 def main():

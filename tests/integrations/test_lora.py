@@ -1,7 +1,7 @@
-"""PEFT LoRA adapters in OdcTrainer, OdcSFTTrainer and OdcGRPOTrainer with gradient checkpointing, against the stock
-trainer with stock ZeRO-3 (see lora_worker.py): adapters and logged values within the bound of ``tests/_support/tolerance.py``
-(stock's own distance from float64), only adapter gradients pushed, adapters saved and resumed exactly, GRPO's
-reference model the base model (adapters disabled) as in TRL."""
+"""PEFT LoRA adapters in OdcTrainer, OdcSFTTrainer, OdcGRPOTrainer and OdcDPOTrainer with gradient checkpointing,
+against the stock trainer with stock ZeRO-3 (see lora_worker.py): adapters and logged values within the bound of
+``tests/_support/tolerance.py`` (stock's own distance from float64), only adapter gradients pushed, adapters saved and
+resumed exactly, GRPO's and DPO's reference model the base model (adapters disabled) as in TRL."""
 
 from __future__ import annotations
 
@@ -22,7 +22,7 @@ NOT_COMPARED = ("epoch", "step", "learning_rate")
 
 @pytest.fixture(scope="module")
 def two_ranks():
-    return launch(WORKER, 2, ["trainer,sft,grpo"], timeout=600).check().result
+    return launch(WORKER, 2, ["trainer,sft,grpo,dpo"], timeout=600).check().result
 
 
 @pytest.fixture(scope="module")
@@ -114,6 +114,57 @@ def test_grpo_adapters_and_logs_equal_stock(two_ranks, variant):
 def test_grpo_resumes_adapters_exactly(two_ranks):
     out = two_ranks["grpo"]["resume"]
     assert out["losses"][1] == out["losses"][0], out["losses"]
+    assert out["adapters"] == 0.0, out
+
+
+# -- OdcDPOTrainer -----------------------------------------------------------------------------------------------------
+DPO_LOGGED = {"loss", "grad_norm", "rewards/chosen", "rewards/rejected", "rewards/accuracies", "rewards/margins",
+              "logps/chosen", "logps/rejected", "logits/chosen", "logits/rejected", "entropy", "mean_token_accuracy",
+              "num_tokens"}
+DPO_REWARDS = ("rewards/chosen", "rewards/rejected", "rewards/margins")  # the policy's log-probs less the reference's
+# beta times differences of summed log-probs of order 100 (margins: differences of those), which nearly cancel: their
+# rounding is their terms', of order 1 and more.
+DPO_SCALES = {key: 1.0 for key in DPO_REWARDS}
+
+
+@pytest.mark.parametrize("run", ["odc", "peft_model"])
+def test_dpo_adapters_and_logs_equal_stock(two_ranks, run):
+    """``peft_config`` in padding-free rows, and a PeftModel in padded rows, against DPOTrainer with ``peft_config``."""
+    case = two_ranks["dpo"]
+    assert case["optimizer"] == "OdcOptimizer" and case["lora_b_norm"] > 1e-2
+    assert uneven(case["microbatches"][run]), case["microbatches"][run]
+    assert DPO_LOGGED <= set(case["logs"][run][0]), sorted(case["logs"][run][0])
+    assert case["reference"][run]["checkpointing"] and case["reference"]["stock"]["checkpointing"]
+    check_equal_to_stock(case, run, scales=DPO_SCALES)
+    check_only_adapters_pushed(case["pushes"][run])
+
+
+def test_dpo_reference_is_the_base_model(two_ranks):
+    """No ``ref_model``, as TRL with PEFT: the reference log-probs are the base model's (adapters disabled; for a
+    PeftModel, TRL's frozen copy of its initial adapter, named "ref", which is zero). The rewards (the policy's
+    log-probs less the reference's) leave 0 once the adapters move and equal stock's at every step (the test above);
+    an ODC run whose reference forwards leave the adapters on logs no reward and trains other adapters: caught."""
+    case = two_ranks["dpo"]
+    reference, logs = case["reference"], case["logs"]
+    assert all(r["ref_model"] for r in reference.values()), reference  # no reference model built
+    assert reference["odc"]["adapters"] == reference["stock"]["adapters"] == ["default"], reference
+    assert reference["peft_model"]["adapters"] == ["default", "ref"], reference
+    assert max(abs(e["rewards/margins"]) for e in logs["stock"]) > 1e-2
+    assert_caught(compare("adapters, reference with adapters on", case["adapters"]["planted"],
+                          case["adapters"]["fp64"]),
+                  *compare_logs("reference with adapters on", logs["planted"], logs["stock"], logs["fp64"],
+                                DPO_REWARDS, scales=DPO_SCALES))
+
+
+def test_dpo_saves_the_trained_adapters(two_ranks):
+    saved = two_ranks["dpo"]["saved"]
+    assert saved["keys_match"] and saved["max_abs_diff"] == 0.0, saved
+
+
+def test_dpo_resumes_adapters_exactly(two_ranks):
+    out = two_ranks["dpo"]["resume"]
+    assert out["started_elsewhere"] > 0.1  # the resumed trainer's adapters began elsewhere: the checkpoint won
+    assert None not in out["losses"][0] and out["losses"][1] == out["losses"][0], out["losses"]
     assert out["adapters"] == 0.0, out
 
 
