@@ -27,6 +27,7 @@ import torch
 
 import ds_odc  # noqa: F401  (teaches DeepSpeed the `odc` key before DPOConfig and the model)
 from ds_odc.integrations import match_accelerate_backend
+from ds_odc.recipes.lora import lora_config
 from ds_odc.recipes.toy_text import char_tokenizer
 from ds_odc.training.distributed import init_distributed, output_folder, shutdown
 
@@ -78,14 +79,6 @@ def tiny_llama(tokenizer):
                                         num_attention_heads=4, num_key_value_heads=4, vocab_size=len(tokenizer),
                                         max_position_embeddings=1024, tie_word_embeddings=False, use_cache=False,
                                         pad_token_id=tokenizer.pad_token_id, eos_token_id=tokenizer.eos_token_id))
-
-
-def lora_config(rank: int | None):
-    """LoRA adapters of ``rank`` on every linear layer but the LM head (``None``: train the whole model)."""
-    if not rank:
-        return None
-    from peft import LoraConfig
-    return LoraConfig(r=rank, lora_alpha=2 * rank, lora_dropout=0.0, target_modules="all-linear")
 
 
 def main():

@@ -33,6 +33,7 @@ import torch
 import ds_odc  # noqa: F401  (teaches DeepSpeed the `odc` key before GRPOConfig and the model)
 from ds_odc.integrations import activation_checkpointing
 from ds_odc.training.distributed import init_distributed, output_folder, shutdown
+from ds_odc.recipes.lora import lora_config
 from ds_odc.recipes.toy_text import char_tokenizer
 
 PRESETS = {
@@ -102,14 +103,6 @@ def build_model(args, preset, tokenizer, dtype):
     torch.manual_seed(0)
     # Built after GRPOConfig: with ZeRO-3 transformers partitions it with zero.Init while it is built.
     return AutoModelForCausalLM.from_config(config, dtype=dtype)
-
-
-def lora_config(rank: int | None):
-    """LoRA adapters of ``rank`` on every linear layer but the LM head (``None``: train the whole model)."""
-    if not rank:
-        return None
-    from peft import LoraConfig
-    return LoraConfig(r=rank, lora_alpha=2 * rank, lora_dropout=0.0, target_modules="all-linear")
 
 
 def main():

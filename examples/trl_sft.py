@@ -22,6 +22,7 @@ import torch
 
 import ds_odc  # noqa: F401  (teaches DeepSpeed the `odc` key before SFTConfig and the model)
 from ds_odc.integrations import activation_checkpointing, match_accelerate_backend
+from ds_odc.recipes.lora import lora_config
 from ds_odc.recipes.toy_text import char_tokenizer
 from ds_odc.training.distributed import init_distributed, output_folder, shutdown
 
@@ -53,14 +54,6 @@ def synthetic_pairs(n: int, seed: int = 0):
         prompts.append("Q: " + " ".join(rng.choices(words, k=rng.randint(2, 6))) + "\nA:")
         completions.append(" " + " ".join(rng.choices(words, k=min(60, max(1, int(rng.lognormvariate(1.5, 0.9)))))))
     return Dataset.from_dict({"prompt": prompts, "completion": completions})
-
-
-def lora_config(rank: int | None):
-    """LoRA adapters of ``rank`` on every linear layer but the LM head (``None``: train the whole model)."""
-    if not rank:
-        return None
-    from peft import LoraConfig
-    return LoraConfig(r=rank, lora_alpha=2 * rank, lora_dropout=0.0, target_modules="all-linear")
 
 
 def main():

@@ -19,6 +19,7 @@ from ds_odc.balancer import FittedCost, choose_cost
 from ds_odc.balancer.planners import DEFAULT_PLANNER, PLANNERS, get_planner
 from ds_odc.balancer.presets import MODEL_SHAPES, PRESETS
 from ds_odc.balancer.sp import DEFAULT_EFFICIENCY, SplitPolicy
+from ds_odc.recipes.lora import lora_config
 from ds_odc.recipes.workloads import load_lengths, tokenize_text_file
 from ds_odc.training import attention
 from ds_odc.training.kernels import KERNEL_CHOICES, Kernels, apply_kernels
@@ -181,9 +182,8 @@ def prepare_model(model: torch.nn.Module, args: argparse.Namespace) -> torch.nn.
         model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
     apply_kernels(model, kernels)
     if getattr(args, "lora", None):
-        from peft import LoraConfig, get_peft_model  # the adapters go into the model's layers (in place)
-        model = get_peft_model(model, LoraConfig(r=args.lora, lora_alpha=2 * args.lora, lora_dropout=0.0,
-                                                 target_modules="all-linear"))
+        from peft import get_peft_model  # the adapters go into the model's layers (in place)
+        model = get_peft_model(model, lora_config(args.lora))
     return model
 
 

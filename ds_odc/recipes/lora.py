@@ -1,0 +1,15 @@
+"""The LoRA adapters the examples and benchmarks train with ``--lora RANK``: one recipe, so every engine and trainer
+compared in one call gets the same adapters."""
+
+from __future__ import annotations
+
+__all__ = ["lora_config"]
+
+
+def lora_config(rank: int | None):
+    """PEFT's ``LoraConfig`` with adapters of ``rank`` (alpha ``2 x rank``, no dropout) on every linear layer but the
+    LM head; ``None`` for ``rank`` 0 or ``None`` (train the whole model)."""
+    if not rank:
+        return None
+    from peft import LoraConfig
+    return LoraConfig(r=rank, lora_alpha=2 * rank, lora_dropout=0.0, target_modules="all-linear")
