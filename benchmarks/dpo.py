@@ -30,15 +30,11 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
 import shutil
-import subprocess
-import sys
-import tempfile
 import time
 from pathlib import Path
 
-ROOT = Path(__file__).resolve().parent.parent
+from _modes import run_modes, save_random_model  # benchmarks/_modes.py
 MODES = ("stock", "stock-padding-free", "odc-padded", "odc-packed")
 SHAPES = {"1.5b": "qwen2.5-1.5b", "0.5b": "qwen2.5-0.5b", "tiny": "tiny"}
 SMALL = dict(pairs=16, prompt_len=24, min_completion=2, max_completion=96, per_device_batch=2, max_tokens=512)
@@ -190,53 +186,15 @@ def model_folder(args) -> Path:
     return Path(args.out) / f"model-{args.model}"
 
 
-def save_model(args, folder: Path) -> None:
-    """The random-init model of ``--model``'s shape, once, as a local checkpoint (bf16 when a GPU will train it)."""
-    import torch
-    from transformers import AutoModelForCausalLM, Qwen2Config
-
-    from ds_odc.balancer.presets import MODEL_SHAPES
-    from ds_odc.recipes.toy_text import char_tokenizer
-    tokenizer = char_tokenizer()
-    config = Qwen2Config(**MODEL_SHAPES[SHAPES[args.model]],
-                         max_position_embeddings=args.prompt_len + args.max_completion + 64,
-                         pad_token_id=tokenizer.pad_token_id, eos_token_id=tokenizer.eos_token_id, bos_token_id=None)
-    torch.manual_seed(args.seed)
-    on_gpu = torch.cuda.is_available()
-    with torch.device("cuda" if on_gpu else "cpu"):
-        model = AutoModelForCausalLM.from_config(config, dtype=torch.bfloat16 if on_gpu else None)
-    model.save_pretrained(folder)
-    tokenizer.save_pretrained(folder)
-    del model
-    if on_gpu:
-        torch.cuda.empty_cache()  # the modes run in their own processes
-
-
 def orchestrate(args) -> int:
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
     started = time.perf_counter()
-    save_model(args, model_folder(args))
+    save_random_model(SHAPES[args.model], model_folder(args), max_positions=args.prompt_len + args.max_completion + 64,
+                      seed=args.seed)
     print(f"model: saved in {time.perf_counter() - started:.0f} s", flush=True)
-    env = dict(os.environ)
-    env["PYTHONPATH"] = os.pathsep.join(p for p in [str(ROOT), env.get("PYTHONPATH", "")] if p)
-    results = {}
-    for mode in args.modes.split(","):
-        cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={args.ranks}",
-               __file__, "--worker", mode, *_worker_args(args)]
-        started = time.perf_counter()
-        try:
-            with tempfile.TemporaryDirectory(prefix="ds_odc_bench_") as scratch:  # torchrun's logs, datasets' caches
-                proc = subprocess.run(cmd, capture_output=True, text=True, timeout=args.mode_timeout,
-                                      env={**env, "TMPDIR": scratch})
-            ok = proc.returncode == 0 and (out / f"{mode}.json").exists()
-            tail = (proc.stdout + proc.stderr)[-4000:]
-        except subprocess.TimeoutExpired:
-            ok, tail = False, f"timed out after {args.mode_timeout} s"
-        results[mode] = json.loads((out / f"{mode}.json").read_text()) if ok else {"mode": mode, "failed": tail}
-        if not ok:
-            print(f"{mode}: FAILED\n{tail}", flush=True)
-        print(f"{mode}: done in {time.perf_counter() - started:.0f} s", flush=True)
+    results = run_modes(__file__, args.modes.split(","), _worker_args(args), ranks=args.ranks, out=out,
+                        timeout=args.mode_timeout)
     shutil.rmtree(model_folder(args), ignore_errors=True)  # the 1.5B shape's weights are 3 GB
     for mode in args.modes.split(","):
         shutil.rmtree(out / f"data-{mode}", ignore_errors=True)

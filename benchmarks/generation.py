@@ -27,14 +27,10 @@ from __future__ import annotations
 import argparse
 import contextlib
 import json
-import os
-import subprocess
-import sys
-import tempfile
 import time
 from pathlib import Path
 
-ROOT = Path(__file__).resolve().parent.parent
+from _modes import ROOT, run_modes  # benchmarks/_modes.py
 MODES = ("plain", "zero3-synced", "zero3-gather", "odc-block", "odc-full")
 SHAPES = {
     "1.5b": dict(hidden_size=1536, intermediate_size=8960, num_hidden_layers=28, num_attention_heads=12,
@@ -187,29 +183,10 @@ def run_worker(args) -> dict:
 def orchestrate(args) -> int:
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
-    results = {}
     passthrough = ["--model", args.model, "--prompts", str(args.prompts), "--prompt-len", str(args.prompt_len),
                    "--max-new", str(args.max_new), "--seed", str(args.seed), "--out", str(out)]
-    env = dict(os.environ)
-    env["PYTHONPATH"] = os.pathsep.join(p for p in [str(ROOT), env.get("PYTHONPATH", "")] if p)
-    for mode in args.modes.split(","):
-        cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=1", __file__,
-               "--worker", mode, *passthrough]
-        started = time.perf_counter()
-        try:
-            with tempfile.TemporaryDirectory(prefix="ds_odc_bench_") as scratch:  # torchrun's log folder
-                proc = subprocess.run(cmd, capture_output=True, text=True, timeout=args.mode_timeout,
-                                      env={**env, "TMPDIR": scratch})
-            ok = proc.returncode == 0 and (out / f"{mode}.json").exists()
-            tail = (proc.stdout + proc.stderr)[-3000:]
-        except subprocess.TimeoutExpired:
-            ok, tail = False, f"timed out after {args.mode_timeout} s"
-        if ok:
-            results[mode] = json.loads((out / f"{mode}.json").read_text())
-        else:
-            results[mode] = {"mode": mode, "failed": tail}
-            print(f"{mode}: FAILED\n{tail}", flush=True)
-        print(f"{mode}: done in {time.perf_counter() - started:.0f} s", flush=True)
+    results = run_modes(__file__, args.modes.split(","), passthrough, ranks=1, out=out, timeout=args.mode_timeout,
+                        tail_chars=3000)
     table = report(results, args)
     (out / "generation.md").write_text(table)
     (out / "generation.json").write_text(json.dumps({k: {kk: vv for kk, vv in v.items() if kk != "tokens"}

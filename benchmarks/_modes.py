@@ -1,0 +1,70 @@
+"""What the trainer benchmarks (grpo.py, dpo.py, generation.py) share: the random-init model every mode loads, and
+each mode run in a ``torchrun`` process of its own, so that one mode's memory and compiled state never reach the next.
+
+Imported by those scripts from their own folder (``python benchmarks/X.py`` puts ``benchmarks/`` on ``sys.path``)."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+from typing import Callable, Sequence
+
+ROOT = Path(__file__).resolve().parent.parent
+
+__all__ = ["ROOT", "save_random_model", "run_modes"]
+
+
+def save_random_model(shape: str, folder: Path, *, max_positions: int, seed: int) -> None:
+    """A Qwen2 model of ``shape`` (a name of ``ds_odc.balancer.presets.MODEL_SHAPES``) with random weights and the
+    character tokenizer, saved once in ``folder`` (bf16 when a GPU will train it)."""
+    import torch
+    from transformers import AutoModelForCausalLM, Qwen2Config
+
+    from ds_odc.balancer.presets import MODEL_SHAPES
+    from ds_odc.recipes.toy_text import char_tokenizer
+    tokenizer = char_tokenizer()
+    config = Qwen2Config(**MODEL_SHAPES[shape], max_position_embeddings=max_positions,
+                         pad_token_id=tokenizer.pad_token_id, eos_token_id=tokenizer.eos_token_id, bos_token_id=None)
+    torch.manual_seed(seed)
+    on_gpu = torch.cuda.is_available()
+    with torch.device("cuda" if on_gpu else "cpu"):  # random init of 1.5B weights on the host took 95 s
+        model = AutoModelForCausalLM.from_config(config, dtype=torch.bfloat16 if on_gpu else None)
+    model.save_pretrained(folder)
+    tokenizer.save_pretrained(folder)
+    del model
+    if on_gpu:
+        torch.cuda.empty_cache()  # the modes run in their own processes
+
+
+def run_modes(script: str, modes: Sequence[str], worker_args: Sequence[str], *, ranks: int, out: Path,
+              timeout: float, result_file: Callable[[str], str] = lambda mode: f"{mode}.json",
+              tail_chars: int = 4000) -> dict[str, dict]:
+    """Run ``script --worker MODE *worker_args`` under ``torchrun`` on ``ranks`` processes for every mode, one after
+    another; each worker writes its result as JSON to ``out / result_file(mode)``. Returns every mode's result, or
+    ``{"mode": ..., "failed": <the output's tail>}`` for a mode that failed or ran past ``timeout`` seconds."""
+    env = dict(os.environ)
+    env["PYTHONPATH"] = os.pathsep.join(p for p in [str(ROOT), env.get("PYTHONPATH", "")] if p)
+    results = {}
+    for mode in modes:
+        cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={ranks}", script,
+               "--worker", mode, *worker_args]
+        started = time.perf_counter()
+        result = out / result_file(mode)
+        try:
+            with tempfile.TemporaryDirectory(prefix="ds_odc_bench_") as scratch:  # torchrun's logs, datasets' caches
+                proc = subprocess.run(cmd, capture_output=True, text=True, timeout=timeout,
+                                      env={**env, "TMPDIR": scratch})
+            ok = proc.returncode == 0 and result.exists()
+            tail = (proc.stdout + proc.stderr)[-tail_chars:]
+        except subprocess.TimeoutExpired:
+            ok, tail = False, f"timed out after {timeout} s"
+        results[mode] = json.loads(result.read_text()) if ok else {"mode": mode, "failed": tail}
+        if not ok:
+            print(f"{mode}: FAILED\n{tail}", flush=True)
+        print(f"{mode}: done in {time.perf_counter() - started:.0f} s", flush=True)
+    return results
