@@ -41,7 +41,7 @@ from typing import Any
 
 import torch
 
-from ds_odc.zero.blocks import block_classes
+from ds_odc.zero.blocks import block_classes, outermost
 
 __all__ = ["CompileOptions", "CompiledBlocks", "CompileCounts", "compile_blocks", "compile_counts",
            "compiled_blocks_of", "compile_blocks_on_engine_compile", "eager_forward"]
@@ -173,7 +173,6 @@ _CACHE_ARGUMENTS = ("past_key_values", "past_key_value", "cache", "layer_past") 
 # block never reads them, and a float (the global-mean divisor, new at every minibatch) would be a constant of the
 # compiled graph, compiled again for every value.
 _LOSS_ONLY = ("num_items_in_batch",)
-_SUBCLASSES: dict[tuple[type, int], type] = {}
 
 
 def _compiled_class(cls: type, forward: _BlockForward) -> type:
@@ -187,11 +186,6 @@ def _compiled_class(cls: type, forward: _BlockForward) -> type:
     compiled_forward.__doc__ = getattr(cls.forward, "__doc__", None)
     return type(cls.__name__, (cls,), {"forward": compiled_forward, "__module__": cls.__module__,
                                        "__qualname__": cls.__qualname__, "ds_odc_compiled_from": cls})
-
-
-def _outermost(modules: list[torch.nn.Module]) -> list[torch.nn.Module]:
-    inner = {id(sub) for m in modules for sub in m.modules() if sub is not m}
-    return [m for m in modules if id(m) not in inner]
 
 
 def compiled_blocks_of(model: torch.nn.Module) -> CompiledBlocks | None:
@@ -210,23 +204,20 @@ def compile_blocks(model: torch.nn.Module, options: CompileOptions | None = None
     state = CompiledBlocks(options)
     model.__dict__[_ATTR] = state
     names = block_classes(model)
-    blocks = _outermost([m for m in model.modules() if any(c.__name__ in names for c in type(m).__mro__)])
+    blocks = outermost([m for m in model.modules() if any(c.__name__ in names for c in type(m).__mro__)])
     if not blocks:
         state.run_eager(f"{type(model).__name__} names no transformer block classes (_no_split_modules), so there "
                         "is no block to compile")
         return state
-    forwards: dict[type, _BlockForward] = {}
+    subclasses: dict[type, type] = {}  # one compiled forward per block class of this model
     for block in blocks:
         cls = type(block)
         if getattr(cls, "ds_odc_compiled_from", None) is not None:
             state.blocks.append(block)  # compiled through another model sharing this block
             continue
-        if cls not in forwards:
-            forwards[cls] = _BlockForward(cls.forward, state)
-        key = (cls, id(forwards[cls]))
-        if key not in _SUBCLASSES:
-            _SUBCLASSES[key] = _compiled_class(cls, forwards[cls])
-        block.__class__ = _SUBCLASSES[key]
+        if cls not in subclasses:
+            subclasses[cls] = _compiled_class(cls, _BlockForward(cls.forward, state))
+        block.__class__ = subclasses[cls]
         state.blocks.append(block)
     return state
 

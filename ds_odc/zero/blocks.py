@@ -11,7 +11,7 @@ from __future__ import annotations
 import torch
 from deepspeed.utils import logger, set_z3_leaf_module, z3_leaf_module
 
-__all__ = ["fetch_by_block", "block_classes"]
+__all__ = ["fetch_by_block", "block_classes", "outermost"]
 
 
 def _user_chose_leaves(zero_config) -> bool:
@@ -26,6 +26,13 @@ def block_classes(model: torch.nn.Module) -> set[str]:
     for module in model.modules():
         names.update(getattr(module, "_no_split_modules", None) or ())
     return names
+
+
+def outermost(modules: list[torch.nn.Module]) -> list[torch.nn.Module]:
+    """The modules of ``modules`` that are not inside another one of them (a block inside a block is never hooked or
+    compiled on its own)."""
+    inner = {id(sub) for m in modules for sub in m.modules() if sub is not m}
+    return [m for m in modules if id(m) not in inner]
 
 
 def _input_requires_grad(block: torch.nn.Module, args: tuple, kwargs: dict):
@@ -55,9 +62,7 @@ def fetch_by_block(model: torch.nn.Module, zero_config, fetch_unit: str) -> list
     if not blocks:
         logger.info("ds_odc: the model names no transformer blocks (_no_split_modules); fetching per module")
         return []
-    # A block inside a block would never be hooked; keep the outermost.
-    inner = {id(sub) for b in blocks for sub in b.modules() if sub is not b}
-    blocks = [b for b in blocks if id(b) not in inner]
+    blocks = outermost(blocks)
     for block in blocks:
         set_z3_leaf_module(block, True)
         block.register_forward_pre_hook(_input_requires_grad, prepend=True, with_kwargs=True)
