@@ -10,7 +10,7 @@ from pathlib import Path
 
 import pytest
 
-from _launch import gpu_env, launch_gpu, rank_params  # tests/gpu is on sys.path (rootdir conftest)
+from _launch import launch_gpu, rank_params  # tests/gpu is on sys.path (rootdir conftest)
 
 WORKER = Path(__file__).resolve().parents[1] / "zero" / "dropin_worker.py"
 

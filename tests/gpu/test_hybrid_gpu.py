@@ -7,7 +7,6 @@ group killed (tests/zero/hybrid_worker.py and worker.py, as the CPU tests in tes
     python -m pytest tests/gpu/test_hybrid_gpu.py -q
 """
 
-from pathlib import Path
 
 import pytest
 

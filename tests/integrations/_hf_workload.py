@@ -9,6 +9,9 @@ import tempfile
 
 import torch
 
+# Trainer arguments' use_cpu: the ranks run on the CPU unless tests/gpu launched them (ODC_TEST_CUDA=1).
+ON_CPU = os.environ.get("ODC_TEST_CUDA") != "1"
+
 VOCAB = 256
 
 
@@ -46,7 +49,7 @@ def training_args(output_dir: str, odc: bool, **overrides):
     kwargs = dict(output_dir=output_dir, per_device_train_batch_size=2, gradient_accumulation_steps=2, max_steps=4,
                   learning_rate=1e-3, lr_scheduler_type="constant", warmup_steps=0, weight_decay=0.0,
                   max_grad_norm=1.0, logging_steps=1, save_strategy="no", report_to=[],
-                  use_cpu=os.environ.get("ODC_TEST_CUDA") != "1",
+                  use_cpu=ON_CPU,
                   optim="adamw_torch", deepspeed=ds_config(odc), seed=0, disable_tqdm=True,
                   dataloader_num_workers=0, dataloader_pin_memory=False)
     kwargs.update(overrides)

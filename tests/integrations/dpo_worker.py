@@ -27,7 +27,7 @@ from ds_odc.training.distributed import shutdown_and_exit
 HERE = os.path.dirname(__file__)
 sys.path.insert(0, HERE)
 sys.path.insert(0, os.path.join(HERE, "..", "zero"))
-from _hf_workload import ds_config, shared_tmpdir, tiny_llama  # noqa: E402
+from _hf_workload import ON_CPU, ds_config, shared_tmpdir, tiny_llama  # noqa: E402
 from _rl_workload import char_tokenizer  # noqa: E402
 from _workload import flat, full_params, max_rel_diff, rel_diff  # noqa: E402
 from worker import init_ranks  # noqa: E402
@@ -85,13 +85,12 @@ def on_disk(data, folder: str):
 
 
 def dpo_config(output_dir: str, deepspeed: dict | None, **overrides):
-    import torch
     from trl import DPOConfig
 
     from ds_odc.integrations import activation_checkpointing
     kwargs = dict(output_dir=output_dir, per_device_train_batch_size=2, gradient_accumulation_steps=2, max_steps=4,
                   optim="sgd", lr_scheduler_type="constant", warmup_steps=0, weight_decay=0.0, max_grad_norm=0.0,
-                  logging_steps=1, save_strategy="no", report_to=[], use_cpu=not torch.cuda.is_available(), seed=0,
+                  logging_steps=1, save_strategy="no", report_to=[], use_cpu=ON_CPU, seed=0,
                   disable_tqdm=True, bf16=False, beta=0.1, deepspeed=deepspeed,
                   dataloader_num_workers=0, dataloader_pin_memory=False, max_length=None)
     kwargs.update(activation_checkpointing(overrides.pop("activation_checkpointing", False)))

@@ -26,7 +26,7 @@ from ds_odc.training.distributed import shutdown_and_exit
 HERE = os.path.dirname(__file__)
 sys.path.insert(0, HERE)
 sys.path.insert(0, os.path.join(HERE, "..", "zero"))
-from _hf_workload import ds_config, logged, shared_tmpdir, without_deepspeed  # noqa: E402
+from _hf_workload import ON_CPU, ds_config, logged, shared_tmpdir, without_deepspeed  # noqa: E402
 from _support.tolerance import plant_wrong_weight  # noqa: E402
 from _rl_workload import char_tokenizer, letter_reward, prompt_dataset, scripted_rollout, tiny_qwen2  # noqa: E402
 from _workload import flat, full_params, max_rel_diff, rel_diff  # noqa: E402
@@ -62,7 +62,7 @@ def grpo_config(output_dir: str, odc: bool, **overrides):
     kwargs = dict(output_dir=output_dir, per_device_train_batch_size=4, num_generations=4,
                   gradient_accumulation_steps=2, max_steps=2, learning_rate=0.05, optim="sgd",
                   lr_scheduler_type="constant", warmup_steps=0, weight_decay=0.0, max_grad_norm=0.0,
-                  logging_steps=1, save_strategy="no", report_to=[], use_cpu=True, seed=0, disable_tqdm=True,
+                  logging_steps=1, save_strategy="no", report_to=[], use_cpu=ON_CPU, seed=0, disable_tqdm=True,
                   bf16=False, gradient_checkpointing=False, max_completion_length=MAX_NEW, beta=0.0,
                   deepspeed=ds_config(odc), dataloader_num_workers=0, log_completions=False)
     kwargs.update(overrides)
@@ -223,9 +223,8 @@ def resume(model_path: str, tmp: str) -> dict:
 def scenario_gpu(args):
     """bf16 on CUDA, 2 steps, a reference model: stock GRPOTrainer + ZeRO-3, and OdcGRPOTrainer padded and
     padding-free (ds_odc_varlen on the GPU's kernels), each against stock in bf16 and against stock in fp32."""
-    import torch
     import torch.distributed as dist
-    common = dict(loss_type="dapo", beta=0.04, max_steps=2, use_cpu=not torch.cuda.is_available(), learning_rate=1.0)
+    common = dict(loss_type="dapo", beta=0.04, max_steps=2, use_cpu=ON_CPU, learning_rate=1.0)
     with shared_tmpdir("odc_grpo_gpu_") as tmp:
         model_path = save_model(tmp, hidden_size=128)
         initial = initial_params(model_path)

@@ -17,11 +17,10 @@ from ds_odc.training.distributed import shutdown_and_exit
 sys.path.insert(0, os.path.dirname(__file__))
 sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", "zero"))
 from worker import init_ranks  # noqa: E402  (CPU ranks, or GPU ranks under tests/gpu)
-from _hf_workload import (logged, shared_tmpdir, tiny_llama, token_dataset, training_args,  # noqa: E402
+from _hf_workload import (ON_CPU, logged, shared_tmpdir, tiny_llama, token_dataset, training_args,  # noqa: E402
                           without_deepspeed)
 from _support.tolerance import plant_wrong_weight  # noqa: E402
 
-CPU = os.environ.get("ODC_TEST_CUDA") != "1"
 
 
 def scenario_equivalence(tmp: str):
@@ -66,7 +65,7 @@ def scenario_equivalence(tmp: str):
                      train_dataset=ordered, data_collator=PackedCollator())
     off.train()
     fp64 = planted = None
-    if CPU:
+    if ON_CPU:
         with without_deepspeed():
             fp64 = Trainer(models["fp64"], training_args(f"{tmp}/fp64", odc=False, deepspeed=None, **stock_args),
                            train_dataset=ordered, data_collator=PackedCollator())
@@ -167,7 +166,7 @@ def scenario_sft(tmp: str):
         return SFTConfig(**{**dict(
             output_dir=f"{tmp}/{name}", per_device_train_batch_size=2, gradient_accumulation_steps=2, max_steps=4,
             learning_rate=1e-3, lr_scheduler_type="constant", warmup_steps=0, weight_decay=0.0, max_grad_norm=1.0,
-            logging_steps=1, save_strategy="no", report_to=[], use_cpu=CPU, optim="adamw_torch",
+            logging_steps=1, save_strategy="no", report_to=[], use_cpu=ON_CPU, optim="adamw_torch",
             deepspeed=ds_config(odc), seed=0, disable_tqdm=True, dataloader_num_workers=0, max_length=None,
             padding_free=True, bf16=False, gradient_checkpointing=False), **extra})
 
@@ -180,7 +179,7 @@ def scenario_sft(tmp: str):
     match_accelerate_backend(stock.args)
     stock.train()
     trainers = {"odc": odc, "stock": stock}
-    if CPU:
+    if ON_CPU:
         with without_deepspeed():
             trainers["fp64"] = SFTTrainer(models["fp64"], config("fp64", False, train_sampling_strategy="sequential",
                                                                  deepspeed=None),
@@ -193,7 +192,7 @@ def scenario_sft(tmp: str):
 
     if dist.get_rank() == 0:
         emit({**{name: logs(t) for name, t in trainers.items()},
-              "fp64_dtype": str(next(trainers["fp64"].model.parameters()).dtype) if CPU else None,
+              "fp64_dtype": str(next(trainers["fp64"].model.parameters()).dtype) if ON_CPU else None,
               "microbatch_counts": [[e.get(f"odc/microbatches_rank{r}") for r in range(dist.get_world_size())]
                                     for e in odc.state.log_history if "odc/bubble" in e],
               "optimizers": [type(t.model_wrapped.optimizer).__name__ for t in (odc, stock)],
@@ -225,7 +224,7 @@ def scenario_split(tmp: str):
                        balancer_planner="lb-mini", balancer_cost="tokens")
     whole.train()
     runs = {"split": split, "whole": whole}
-    if CPU:  # the reference: the stock Trainer in float64 (DDP), one sample per microbatch in lb-mini's order
+    if ON_CPU:  # the reference: the stock Trainer in float64 (DDP), one sample per microbatch in lb-mini's order
         from transformers import Trainer
 
         from ds_odc.training.collate import PackedCollator
@@ -282,7 +281,7 @@ def scenario_offload(tmp: str):
         trainers[name] = trainer
         out[name] = {"params": flat, "optimizer": type(optimizer).__name__,
                      "offloaded": bool(optimizer.offload_optimizer)}
-    if CPU:
+    if ON_CPU:
         with without_deepspeed():
             trainers["fp64"] = Trainer(fp64_model, training_args(f"{tmp}/fp64", odc=False, deepspeed=None, **args),
                                        train_dataset=data, data_collator=PackedCollator())

@@ -24,7 +24,7 @@ from ds_odc.training.distributed import shutdown_and_exit
 HERE = os.path.dirname(__file__)
 sys.path.insert(0, HERE)
 sys.path.insert(0, os.path.join(HERE, "..", "zero"))
-from _hf_workload import ds_config, logged, shared_tmpdir, tiny_llama, token_dataset, training_args  # noqa: E402
+from _hf_workload import ON_CPU, ds_config, logged, shared_tmpdir, tiny_llama, token_dataset, training_args  # noqa: E402
 from _hf_workload import without_deepspeed  # noqa: E402
 from _support.tolerance import plant_wrong_weight  # noqa: E402
 from _workload import flat, full_params, rel_diff  # noqa: E402
@@ -146,7 +146,7 @@ def scenario_trainer(tmp: str) -> dict:
         # PEFT stores the adapter without its name ("default") in the keys
         live = {k.replace(".default", ""): v for k, v in final.items()}
         saved = {"keys_match": sorted(stored) == sorted(live),
-                 "max_abs_diff": max(float((stored[k].double() - live[k]).abs().max()) for k in live if k in stored)}
+                 "max_abs_diff": max(float((stored[k].double() - live[k].cpu()).abs().max()) for k in live if k in stored)}
     runs = {"odc": odc, "stock": stock, "fp64": fp64, "planted": planted}
     weights = {name: adapters(t) for name, t in runs.items()}
     initial = {k: v for k, v in full_params(peft, torch.float64).items() if "lora_" in k}
@@ -212,7 +212,7 @@ def scenario_sft(tmp: str) -> dict:
         return SFTConfig(**{**dict(
             output_dir=f"{tmp}/{name}", per_device_train_batch_size=2, gradient_accumulation_steps=2, max_steps=4,
             learning_rate=0.5, optim="sgd", lr_scheduler_type="constant", warmup_steps=0, weight_decay=0.0,
-            max_grad_norm=1.0, logging_steps=1, save_strategy="no", report_to=[], use_cpu=True,
+            max_grad_norm=1.0, logging_steps=1, save_strategy="no", report_to=[], use_cpu=ON_CPU,
             deepspeed=ds_config(odc), seed=0, disable_tqdm=True, dataloader_num_workers=0, max_length=None,
             padding_free=True, bf16=False, gradient_checkpointing=True), **extra})
 
@@ -418,7 +418,7 @@ def scenario_dpo(tmp: str) -> dict:
         stored = load_file(os.path.join(tmp, "odc-final", "adapter_model.safetensors"))
         live = {k.replace(".default", ""): v for k, v in final.items()}  # PEFT stores the adapter without its name
         saved = {"keys_match": sorted(stored) == sorted(live),
-                 "max_abs_diff": max(float((stored[k].double() - live[k]).abs().max()) for k in live if k in stored)}
+                 "max_abs_diff": max(float((stored[k].double() - live[k].cpu()).abs().max()) for k in live if k in stored)}
     weights = {name: policy_adapters(t) for name, t in runs.items()}
     return {"adapters": {name: adapter_distance(w, weights["stock"]) for name, w in weights.items()},
             "lora_b_norm": max(float(v.norm()) for k, v in weights["stock"].items() if "lora_B" in k),  # from 0

@@ -28,7 +28,7 @@ from ds_odc.training.distributed import shutdown_and_exit
 HERE = os.path.dirname(__file__)
 sys.path.insert(0, HERE)
 sys.path.insert(0, os.path.join(HERE, "..", "zero"))
-from _hf_workload import ds_config, shared_tmpdir  # noqa: E402
+from _hf_workload import ON_CPU, ds_config, shared_tmpdir  # noqa: E402
 from _hf_workload import without_deepspeed  # noqa: E402
 from _workload import flat, full_params, max_rel_diff, rel_diff  # noqa: E402
 from worker import init_ranks  # noqa: E402
@@ -144,7 +144,6 @@ def scenario_sft(tmp: str) -> dict:
     as DeepSpeed's leaf modules) against stock with one sample per microbatch, and in float64; LB-Mini packing samples
     against stock with two per microbatch (``grouping``: measured)."""
     import torch
-    import torch.distributed as dist
     from trl import SFTConfig, SFTTrainer
 
     from _rl_workload import char_tokenizer
@@ -156,7 +155,6 @@ def scenario_sft(tmp: str) -> dict:
     data = pair_dataset(64)
     base = tiny_qwen3_moe(len(tok))
     initial = full_params(base, torch.float64)
-    world = dist.get_world_size()
     per_rank = 4  # samples per rank per optimizer step
 
     def config(name: str, odc: bool | dict, per_device: int, **extra):
@@ -167,7 +165,7 @@ def scenario_sft(tmp: str) -> dict:
             output_dir=f"{tmp}/{name}", per_device_train_batch_size=per_device,
             gradient_accumulation_steps=per_rank // per_device, max_steps=4, learning_rate=0.1, optim="sgd",
             lr_scheduler_type="constant", warmup_steps=0, weight_decay=0.0, max_grad_norm=0.0, logging_steps=1,
-            save_strategy="no", report_to=[], use_cpu=True, deepspeed=ds, seed=0, disable_tqdm=True,
+            save_strategy="no", report_to=[], use_cpu=ON_CPU, deepspeed=ds, seed=0, disable_tqdm=True,
             dataloader_num_workers=0, max_length=None, padding_free=True, bf16=False, gradient_checkpointing=False),
             **extra})
 
