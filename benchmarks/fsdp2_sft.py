@@ -49,13 +49,13 @@ def main():
     device = torch.device("cuda", int(os.environ.get("LOCAL_RANK", 0))) if cuda else torch.device("cpu")
     if cuda:
         torch.cuda.set_device(device)
-    config = model_config(args.model)
+    config = model_config(args.model, num_layers=args.num_layers)
     torch.manual_seed(args.seed)
     # FSDP2: fp32 master weights (as ZeRO keeps), bf16 compute; plain: bf16 weights. Built on the device (fast init).
     dtype = torch.bfloat16 if cuda and args.engine == "plain" else torch.float32
     with torch.device(device):
         model = AutoModelForCausalLM.from_config(config, dtype=dtype, attn_implementation=args.attn_implementation)
-    prepare_model(model, args)
+    prepare_model(model, args)  # LoRA adapters (--lora) go into model's own layers: no need for the PeftModel
     if args.engine == "fsdp2":
         policy = MixedPrecisionPolicy(param_dtype=torch.bfloat16 if cuda else torch.float32,
                                       reduce_dtype=torch.float32)

@@ -20,7 +20,8 @@ microbatches on the host and waits for the copies at the end of backward), CPU o
 
 Host memory: a 7B model's offloaded state is about 122 GB (4 + 4 + 8 bytes per parameter: master, gradient, Adam);
 stock adds its pinned gradient partition (2 bytes per parameter in bf16). Run it where the host has room for that,
-e.g. a 2-GPU H200 node (256 GiB) at ``--nproc 1``. CPU smoke run (tiny model, torch's AdamW, scaled lengths):
+e.g. a 2-GPU H200 node (256 GiB) at ``--nproc 1``; on a host with 128 GiB, ``--num-layers 14`` keeps the 7B
+width with half its layers (about 4.4B parameters, 70 GB on the host). CPU smoke run (tiny model, torch's AdamW, scaled lengths):
 
     python benchmarks/offload.py --model tiny --scale 0.004 --optimizer torch --steps 3 --out /tmp/offload_smoke
 
@@ -128,7 +129,7 @@ def run(mode: str, args, lengths: Path, out: Path) -> dict | None:
            "--model", args.model, "--lengths-file", str(lengths), "--no-shuffle", "--balancer", "lb-micro",
            "--minibatch-size", "4", "--max-tokens", str(max(2, round(args.max_tokens * args.scale))),
            "--steps", str(args.steps), "--warmup-steps", "1", "--gradient-checkpointing", "--cost", "tokens",
-           "--deepspeed", str(config), "--quiet"]
+           "--deepspeed", str(config), "--quiet"] + (["--num-layers", str(args.num_layers)] if args.num_layers else [])
     log = out / f"{args.model}-{mode}.log"
     started = time.monotonic()
     with open(log, "w") as f, tempfile.TemporaryDirectory(prefix="ds_odc_offload_") as scratch:
@@ -157,7 +158,8 @@ def read_report(report: Path) -> dict:
 
 
 def print_table(results: dict[str, dict | None], args) -> None:
-    print(f"\n{args.model}, {args.nproc} rank(s), optimizer on the host ({args.optimizer}), packed long-tail rows "
+    layers = f" with {args.num_layers} decoder layers" if args.num_layers else ""
+    print(f"\n{args.model}{layers}, {args.nproc} rank(s), optimizer on the host ({args.optimizer}), packed long-tail rows "
           f"(max {max(2, round(args.max_tokens * args.scale))} tokens), {args.steps - 1} timed minibatches")
     head = (f"{'mode':<8}{'samples/s':>11}{'vs stock':>10}{'peak device GiB':>17}{'vs stock':>10}"
             f"{'device used GiB':>17}{'host peak GiB':>15}{'step s':>9}{'copy out s':>12}{'CPU optim s':>13}"
@@ -189,6 +191,8 @@ def main():
         return
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--model", default="qwen2.5-7b")
+    p.add_argument("--num-layers", type=int, default=None,
+                   help="the model's width with this many decoder layers (a host with less memory)")
     p.add_argument("--nproc", type=int, default=1)
     p.add_argument("--steps", type=int, default=4, help="minibatches per mode, the first one a warm-up")
     p.add_argument("--max-tokens", type=int, default=65536, help="tokens per packed row (before --scale)")

@@ -34,6 +34,8 @@ def sft_argument_parser(description: str | None = None, deepspeed_config: bool =
     p = argparse.ArgumentParser(description=description, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--model", default="tiny", choices=sorted(MODEL_SHAPES))
     p.add_argument("--model-path", help="a local Hugging Face checkpoint (overrides --model)")
+    p.add_argument("--num-layers", type=int, default=None,
+                   help="--model's shape with this many decoder layers (the same width; a smaller host or GPU)")
     data = p.add_mutually_exclusive_group()
     data.add_argument("--lengths-file", help="one sample length (tokens) per line; token ids are random")
     data.add_argument("--preset", choices=sorted(PRESETS), help="synthetic lengths (see ds_odc.balancer.presets)")
@@ -183,7 +185,9 @@ def prepare_model(model: torch.nn.Module, args: argparse.Namespace) -> torch.nn.
     apply_kernels(model, kernels)
     if getattr(args, "lora", None):
         from peft import get_peft_model  # the adapters go into the model's layers (in place)
-        model = get_peft_model(model, lora_config(args.lora))
+        # adapters in the model's own dtype (PEFT would keep them in fp32 in a bf16 model): every engine computes
+        # them as it computes the rest, and the comparisons of benchmarks/e2e.py stay like for like
+        model = get_peft_model(model, lora_config(args.lora), autocast_adapter_dtype=False)
     return model
 
 

@@ -179,7 +179,8 @@ def build_model(args, ds_config: dict, device: torch.device) -> torch.nn.Module:
     from transformers import AutoConfig, AutoModelForCausalLM
     attn = attention_from_args(args)
     dtype = torch.bfloat16 if ds_config.get("bf16", {}).get("enabled") else torch.float32
-    config = AutoConfig.from_pretrained(args.model_path) if args.model_path else model_config(args.model)
+    config = (AutoConfig.from_pretrained(args.model_path) if args.model_path
+              else model_config(args.model, num_layers=args.num_layers))
     config.use_cache = False  # packed rows: transformers only detects sample boundaries without a cache
     torch.manual_seed(args.seed)
 

@@ -18,8 +18,9 @@ from ds_odc.balancer.presets import MODEL_SHAPES, get_preset
 __all__ = ["model_config", "load_lengths", "tokenize_text_file", "sample_tokens"]
 
 
-def model_config(shape: str, max_position_embeddings: int = 131072):
-    """A ``Qwen2Config`` of one of :data:`MODEL_SHAPES`, without a KV cache.
+def model_config(shape: str, max_position_embeddings: int = 131072, num_layers: int | None = None):
+    """A ``Qwen2Config`` of one of :data:`MODEL_SHAPES` (with ``num_layers`` decoder layers instead of the shape's
+    own, if given: the same width, fewer or more layers), without a KV cache.
 
     ``use_cache=False``: transformers detects the sample boundaries of a packed row only when no cache exists."""
     from transformers import Qwen2Config
@@ -27,6 +28,8 @@ def model_config(shape: str, max_position_embeddings: int = 131072):
         shape_kwargs = MODEL_SHAPES[shape]
     except KeyError:
         raise ValueError(f"unknown model shape {shape!r}; choose one of {sorted(MODEL_SHAPES)}") from None
+    if num_layers:
+        shape_kwargs = {**shape_kwargs, "num_hidden_layers": num_layers}
     return Qwen2Config(**shape_kwargs, max_position_embeddings=max_position_embeddings, use_cache=False)
 
 
