@@ -12,20 +12,13 @@ from pathlib import Path
 import pytest
 
 from _launch import launch_gpu, rank_params  # tests/gpu is on sys.path (rootdir conftest)
+from _support.lora import DPO_SCALES, GRPO_SCALES, check_equal_to_stock, check_only_adapters_pushed, uneven
 
 pytest.importorskip("peft")
 pytest.importorskip("trl")
 pytestmark = [pytest.mark.gpu, pytest.mark.slow]
 
-INTEGRATIONS = Path(__file__).resolve().parents[1] / "integrations"
-WORKER = INTEGRATIONS / "lora_worker.py"
-
-
-def checks():
-    import sys
-    sys.path.insert(0, str(INTEGRATIONS))
-    import test_lora
-    return test_lora
+WORKER = Path(__file__).resolve().parents[1] / "integrations" / "lora_worker.py"
 
 
 @pytest.mark.parametrize("nproc", rank_params(2))
@@ -34,24 +27,23 @@ def test_lora_adapters_equal_stock_on_gpu(nvshmem_op, nproc):
 
 
 def check_all(r: dict) -> None:
-    t = checks()
+    """The CPU tests' checks on every trainer's case (tests/_support/lora.py)."""
     for name in ("trainer", "sft", "dpo"):
         assert r[name]["optimizer"] == "OdcOptimizer", (name, r[name]["optimizer"])
-    t.check_equal_to_stock(r["trainer"])
-    t.check_equal_to_stock(r["sft"])
+    check_equal_to_stock(r["trainer"])
+    check_equal_to_stock(r["sft"])
     for variant in ("packed", "padded"):
-        t.check_equal_to_stock(r["grpo"], variant, scales=t.GRPO_SCALES)
-        t.check_only_adapters_pushed(r["grpo"]["pushes"][variant])
+        check_equal_to_stock(r["grpo"], variant, scales=GRPO_SCALES)
+        check_only_adapters_pushed(r["grpo"]["pushes"][variant])
     for run in ("odc", "peft_model"):
-        t.check_equal_to_stock(r["dpo"], run, scales=t.DPO_SCALES)
+        check_equal_to_stock(r["dpo"], run, scales=DPO_SCALES)
+        check_only_adapters_pushed(r["dpo"]["pushes"][run])
     for name in ("trainer", "sft"):
-        t.check_only_adapters_pushed(r[name]["pushes"])
-    for run in ("odc", "peft_model"):
-        t.check_only_adapters_pushed(r["dpo"]["pushes"][run])
+        check_only_adapters_pushed(r[name]["pushes"])
     for name in ("trainer", "dpo"):
         saved = r[name]["saved"]
         assert saved["keys_match"] and saved["max_abs_diff"] == 0.0, (name, saved)
     for name in ("trainer", "grpo", "dpo"):
         out = r[name]["resume"]
         assert out["losses"][1] == out["losses"][0] and out["adapters"] == 0.0, (name, out)
-    assert any(len(set(step)) > 1 for step in r["sft"]["microbatches"]), r["sft"]["microbatches"]
+    assert uneven(r["sft"]["microbatches"]), r["sft"]["microbatches"]
