@@ -20,7 +20,6 @@ minibatches. Every log line also carries ``odc/microbatches_rank{r}`` and ``odc/
 from __future__ import annotations
 
 import argparse
-import os
 import random
 
 import torch
@@ -29,6 +28,7 @@ import ds_odc  # noqa: F401  (teaches DeepSpeed the `odc` key before DPOConfig a
 from ds_odc.integrations import match_accelerate_backend
 from ds_odc.recipes.lora import lora_config
 from ds_odc.recipes.toy_text import char_tokenizer
+from ds_odc.recipes.trainer_config import accelerate_chose_deepspeed, zero3_config
 from ds_odc.training.distributed import init_distributed, output_folder, shutdown
 
 WORDS = ["alpha", "beta", "gamma", "delta", "odc", "zero", "rank", "step", "token", "pack"]
@@ -90,15 +90,8 @@ def main():
 
     tokenizer = char_tokenizer()
     # accelerate launch: the config file's deepspeed_config_file decides (ODC or not); torchrun: --odc / --no-odc.
-    accelerate_config = os.environ.get("ACCELERATE_USE_DEEPSPEED", "false").lower() == "true"
-    deepspeed_config = None
-    if not accelerate_config:
-        zero = {"stage": 3, "overlap_comm": False, "stage3_gather_16bit_weights_on_model_save": True}
-        if args.odc:
-            zero["odc"] = True
-        deepspeed_config = {"train_micro_batch_size_per_gpu": "auto", "gradient_accumulation_steps": "auto",
-                            "train_batch_size": "auto", "gradient_clipping": "auto", "zero_optimization": zero,
-                            "zero_allow_untested_optimizer": True, "steps_per_print": 10**9}
+    accelerate_config = accelerate_chose_deepspeed()
+    deepspeed_config = None if accelerate_config else zero3_config(args.odc)
     config = DPOConfig(
         output_dir=output_folder(args.output_dir, "ds_odc_dpo_"), per_device_train_batch_size=args.per_device_batch,
         gradient_accumulation_steps=args.grad_accum, max_steps=args.max_steps, learning_rate=5e-3, beta=0.1,

@@ -24,7 +24,6 @@ others at the optimizer step).
 from __future__ import annotations
 
 import argparse
-import os
 import random
 import re
 
@@ -35,6 +34,7 @@ from ds_odc.integrations import activation_checkpointing
 from ds_odc.training.distributed import init_distributed, output_folder, shutdown
 from ds_odc.recipes.lora import lora_config
 from ds_odc.recipes.toy_text import char_tokenizer
+from ds_odc.recipes.trainer_config import accelerate_chose_deepspeed, zero3_config
 
 PRESETS = {
     "tiny": dict(hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
@@ -118,17 +118,9 @@ def main():
     from ds_odc.integrations.trl_grpo import OdcGRPOTrainer
 
     on_gpu = torch.cuda.is_available()
-    accelerate_config = os.environ.get("ACCELERATE_USE_DEEPSPEED", "false").lower() == "true"
-    deepspeed_config = None  # accelerate launch: the config file's deepspeed_config_file decides (ODC or not)
-    if not accelerate_config:
-        zero = {"stage": 3, "overlap_comm": False, "stage3_param_persistence_threshold": 0,
-                "stage3_gather_16bit_weights_on_model_save": True}
-        if args.odc:
-            zero["odc"] = True
-        deepspeed_config = {"train_micro_batch_size_per_gpu": "auto", "gradient_accumulation_steps": "auto",
-                            "train_batch_size": "auto", "gradient_clipping": "auto", "bf16": {"enabled": "auto"},
-                            "zero_optimization": zero, "zero_allow_untested_optimizer": True,
-                            "steps_per_print": 10**9}
+    accelerate_config = accelerate_chose_deepspeed()  # then the config file's deepspeed_config_file decides
+    deepspeed_config = None if accelerate_config else zero3_config(
+        args.odc, {"stage3_param_persistence_threshold": 0}, bf16={"enabled": "auto"})
     config = GRPOConfig(
         output_dir=output_folder(args.output_dir, "ds_odc_grpo_"), per_device_train_batch_size=args.per_device_batch,
         num_generations=args.num_generations, gradient_accumulation_steps=args.grad_accum, max_steps=args.max_steps,

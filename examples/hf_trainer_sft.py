@@ -18,6 +18,7 @@ import torch
 
 import ds_odc  # noqa: F401  (teaches DeepSpeed the `odc` key: import before TrainingArguments and the model)
 from ds_odc.balancer.planners import DEFAULT_PLANNER, PLANNERS
+from ds_odc.recipes.trainer_config import zero3_config
 from ds_odc.training.distributed import init_distributed, output_folder, shutdown
 
 PRESETS = {  # name: (hidden, layers, heads, kv heads, intermediate, vocab, max_tokens_per_microbatch, max_len)
@@ -64,16 +65,8 @@ def synthetic_dataset(num_samples: int, max_len: int, vocab: int, seed: int = 0)
 
 
 def ds_config(odc: bool, bf16: bool) -> dict:
-    zero = {"stage": 3, "overlap_comm": False, "contiguous_gradients": True, "reduce_scatter": True,
-            "stage3_gather_16bit_weights_on_model_save": True}
-    if odc:
-        zero["odc"] = True
-    config = {"train_micro_batch_size_per_gpu": "auto", "gradient_accumulation_steps": "auto",
-              "train_batch_size": "auto", "gradient_clipping": "auto", "zero_optimization": zero,
-              "zero_allow_untested_optimizer": True, "steps_per_print": 10**9}
-    if bf16:
-        config["bf16"] = {"enabled": True}
-    return config
+    return zero3_config(odc, {"contiguous_gradients": True, "reduce_scatter": True},
+                        **({"bf16": {"enabled": True}} if bf16 else {}))
 
 
 def main():
