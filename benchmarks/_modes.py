@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import json
 import os
+import shutil
 import subprocess
 import sys
 import tempfile
@@ -16,7 +17,12 @@ from typing import Callable, Sequence
 
 ROOT = Path(__file__).resolve().parent.parent
 
-__all__ = ["ROOT", "save_random_model", "run_modes"]
+__all__ = ["ROOT", "model_folder", "save_random_model", "run_modes", "run_modes_on_random_model", "finish_worker"]
+
+
+def model_folder(out: str | Path, model: str) -> Path:
+    """Where :func:`run_modes_on_random_model` keeps the model of ``--model`` while the modes run."""
+    return Path(out) / f"model-{model}"
 
 
 def save_random_model(shape: str, folder: Path, *, max_positions: int, seed: int) -> None:
@@ -68,3 +74,27 @@ def run_modes(script: str, modes: Sequence[str], worker_args: Sequence[str], *, 
             print(f"{mode}: FAILED\n{tail}", flush=True)
         print(f"{mode}: done in {time.perf_counter() - started:.0f} s", flush=True)
     return results
+
+
+def run_modes_on_random_model(script: str, modes: Sequence[str], worker_args: Sequence[str], *, shape: str,
+                              folder: Path, max_positions: int, seed: int, **run) -> dict[str, dict]:
+    """:func:`save_random_model` into ``folder``, :func:`run_modes` (``run``: its keyword arguments), then the folder
+    removed (a 1.5B shape's weights are 3 GB)."""
+    started = time.perf_counter()
+    save_random_model(shape, folder, max_positions=max_positions, seed=seed)
+    print(f"model: saved in {time.perf_counter() - started:.0f} s", flush=True)
+    try:
+        return run_modes(script, modes, worker_args, **run)
+    finally:
+        shutil.rmtree(folder, ignore_errors=True)
+
+
+def finish_worker(path: Path, result: dict) -> int:
+    """The end of a mode's worker: its result written to ``path`` (by rank 0), then every rank leaves together."""
+    import torch.distributed as dist
+    if not dist.is_initialized() or dist.get_rank() == 0:
+        Path(path).write_text(json.dumps(result))
+    if dist.is_initialized():
+        dist.barrier()
+        dist.destroy_process_group()
+    return 0

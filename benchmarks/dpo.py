@@ -34,7 +34,7 @@ import shutil
 import time
 from pathlib import Path
 
-from _modes import run_modes, save_random_model  # benchmarks/_modes.py
+from _modes import finish_worker, model_folder, run_modes_on_random_model  # benchmarks/_modes.py
 MODES = ("stock", "stock-padding-free", "odc-padded", "odc-packed")
 SHAPES = {"1.5b": "qwen2.5-1.5b", "0.5b": "qwen2.5-0.5b", "tiny": "tiny"}
 SMALL = dict(pairs=16, prompt_len=24, min_completion=2, max_completion=96, per_device_batch=2, max_tokens=512)
@@ -161,7 +161,8 @@ def run_worker(args) -> dict:
     timer = StepTimer()
     kwargs = dict(args=config, train_dataset=load_from_disk(str(data_dir)), processing_class=char_tokenizer(),
                   callbacks=[timer])
-    model = str(model_folder(args))  # every mode loads the same weights; TRL builds the reference model from them
+    # every mode loads the same weights; TRL builds the reference model from them
+    model = str(model_folder(args.out, args.model))
     if odc:
         trainer = OdcDPOTrainer(model, max_tokens_per_microbatch=args.max_tokens, **kwargs)
     else:
@@ -182,20 +183,13 @@ def run_worker(args) -> dict:
     return result
 
 
-def model_folder(args) -> Path:
-    return Path(args.out) / f"model-{args.model}"
-
-
 def orchestrate(args) -> int:
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
-    started = time.perf_counter()
-    save_random_model(SHAPES[args.model], model_folder(args), max_positions=args.prompt_len + args.max_completion + 64,
-                      seed=args.seed)
-    print(f"model: saved in {time.perf_counter() - started:.0f} s", flush=True)
-    results = run_modes(__file__, args.modes.split(","), _worker_args(args), ranks=args.ranks, out=out,
-                        timeout=args.mode_timeout)
-    shutil.rmtree(model_folder(args), ignore_errors=True)  # the 1.5B shape's weights are 3 GB
+    results = run_modes_on_random_model(
+        __file__, args.modes.split(","), _worker_args(args), shape=SHAPES[args.model],
+        folder=model_folder(args.out, args.model), max_positions=args.prompt_len + args.max_completion + 64,
+        seed=args.seed, ranks=args.ranks, out=out, timeout=args.mode_timeout)
     for mode in args.modes.split(","):
         shutil.rmtree(out / f"data-{mode}", ignore_errors=True)
     table = report(results, args)
@@ -243,13 +237,7 @@ def report(results: dict, args) -> str:
 def main(argv=None) -> int:
     args = parse_args(argv)
     if args.worker:
-        result = run_worker(args)
-        import torch.distributed as dist
-        if dist.get_rank() == 0:
-            Path(args.out, f"{args.worker}.json").write_text(json.dumps(result))
-        dist.barrier()
-        dist.destroy_process_group()
-        return 0
+        return finish_worker(Path(args.out, f"{args.worker}.json"), run_worker(args))
     return orchestrate(args)
 
 

@@ -30,7 +30,7 @@ import json
 import time
 from pathlib import Path
 
-from _modes import ROOT, run_modes  # benchmarks/_modes.py
+from _modes import ROOT, finish_worker, run_modes  # benchmarks/_modes.py
 MODES = ("plain", "zero3-synced", "zero3-gather", "odc-block", "odc-full")
 SHAPES = {
     "1.5b": dict(hidden_size=1536, intermediate_size=8960, num_hidden_layers=28, num_attention_heads=12,
@@ -218,13 +218,7 @@ def report(results, args) -> str:
 def main(argv=None) -> int:
     args = parse_args(argv)
     if args.worker:
-        result = run_worker(args)
-        import torch.distributed as dist
-        Path(args.out, f"{args.worker}.json").write_text(json.dumps(result))
-        if dist.is_initialized():
-            dist.barrier()
-            dist.destroy_process_group()
-        return 0
+        return finish_worker(Path(args.out, f"{args.worker}.json"), run_worker(args))
     return orchestrate(args)
 
 

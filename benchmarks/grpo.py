@@ -40,11 +40,10 @@ from __future__ import annotations
 
 import argparse
 import json
-import shutil
 import time
 from pathlib import Path
 
-from _modes import run_modes, save_random_model  # benchmarks/_modes.py
+from _modes import finish_worker, model_folder, run_modes_on_random_model  # benchmarks/_modes.py
 MODES = ("stock", "odc-padded", "odc-packed")
 KERNELS = ("eager", "compiled", "fused", "compiled+fused")
 
@@ -153,8 +152,8 @@ def run_worker(args) -> dict:
         deepspeed=ds_config, dataloader_num_workers=0, temperature=1.0,
         model_init_kwargs={"dtype": "bfloat16" if on_gpu else "float32"})
     tokenizer = char_tokenizer()
-    model = str(model_folder(args))  # every mode loads the same weights (TRL builds the reference model from the
-    # path too)
+    # every mode loads the same weights (TRL builds the reference model from the path too)
+    model = str(model_folder(args.out, args.model))
     prompts = prompt_texts(args, args.prompts)
     dataset = Dataset.from_dict({"prompt": [prompts[i % len(prompts)] for i in range(args.prompts * 64)]})
     clock = {"rollout": 0.0}
@@ -280,20 +279,13 @@ def apply_grpo_kernels(model, kernels: str, backend: str = "inductor") -> None:
         compile_blocks(model, chosen.compile)
 
 
-def model_folder(args) -> Path:
-    return Path(args.out) / f"model-{args.model}"
-
-
 def orchestrate(args) -> int:
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
-    started = time.perf_counter()
-    save_random_model(SHAPES[args.model], model_folder(args), max_positions=args.prompt_len + args.max_completion + 64,
-                      seed=args.seed)
-    print(f"model: saved in {time.perf_counter() - started:.0f} s", flush=True)
-    results = run_modes(__file__, args.modes.split(","), _worker_args(args), ranks=args.ranks, out=out,
-                        timeout=args.mode_timeout, result_file=mode_file)
-    shutil.rmtree(model_folder(args), ignore_errors=True)  # the 1.5B shape's weights are 3 GB
+    results = run_modes_on_random_model(
+        __file__, args.modes.split(","), _worker_args(args), shape=SHAPES[args.model],
+        folder=model_folder(args.out, args.model), max_positions=args.prompt_len + args.max_completion + 64,
+        seed=args.seed, ranks=args.ranks, out=out, timeout=args.mode_timeout, result_file=mode_file)
     table = report(results, args)
     (out / "grpo.md").write_text(table)
     (out / "grpo.json").write_text(json.dumps(results, indent=1))
@@ -342,13 +334,7 @@ def report(results: dict, args) -> str:
 def main(argv=None) -> int:
     args = parse_args(argv)
     if args.worker:
-        result = run_worker(args)
-        import torch.distributed as dist
-        if dist.get_rank() == 0:
-            Path(args.out, mode_file(args.worker)).write_text(json.dumps(result))
-        dist.barrier()
-        dist.destroy_process_group()
-        return 0
+        return finish_worker(Path(args.out, mode_file(args.worker)), run_worker(args))
     return orchestrate(args)
 
 
