@@ -200,7 +200,7 @@ def main():
                    help="DeepSpeed's CPU Adam (JIT-built on first use) or torch's AdamW, on the host")
     p.add_argument("--modes", default="stock,odc")
     p.add_argument("--scale", type=float, default=1.0, help="scale all lengths (CPU smoke runs with --model tiny)")
-    p.add_argument("--out", default="offload_results")
+    p.add_argument("--out", default="results/offload")
     p.add_argument("--run-timeout", type=float, default=1800)
     p.add_argument("--table-only", action="store_true",
                    help="print the table from the reports already in --out (modes run in separate calls)")
