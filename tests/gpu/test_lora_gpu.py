@@ -12,6 +12,7 @@ from pathlib import Path
 import pytest
 
 from _launch import launch_gpu, rank_params  # tests/gpu is on sys.path (rootdir conftest)
+from _support.tolerance import assert_within, compare
 from _support.lora import DPO_SCALES, GRPO_SCALES, check_equal_to_stock, check_only_adapters_pushed, uneven
 
 pytest.importorskip("peft")
@@ -24,6 +25,20 @@ WORKER = Path(__file__).resolve().parents[1] / "integrations" / "lora_worker.py"
 @pytest.mark.parametrize("nproc", rank_params(2))
 def test_lora_adapters_equal_stock_on_gpu(nvshmem_op, nproc):
     check_all(launch_gpu(WORKER, nproc, ["trainer,sft,grpo,dpo"], timeout=540).check().result)
+
+
+def check_resumed(name: str, case: dict, loss_scale: float = 0.0) -> None:
+    """The resumed run against the uninterrupted one. On CUDA, peers' pushes land as atomic adds in arrival order, so
+    the accumulated sums round differently from run to run (on the CPU they are exact): the two runs may differ by
+    that rounding, bounded by stock's own distance from float64, never by a lost or repeated step."""
+    out = case["resume"]
+    assert out.get("started_elsewhere", 1.0) > 0.1, out  # adapters that began elsewhere: the checkpoint won
+    full, resumed = ([*x.values()] if isinstance(x, dict) else x for x in out["losses"])
+    assert len(full) == len(resumed) > 0, out
+    losses = max(abs(a - b) / max(abs(b), loss_scale) for a, b in zip(resumed, full))
+    reference = case["adapters"]["fp64"]
+    assert_within(compare(f"{name}: resumed adapters", out["adapters"], reference),
+                  compare(f"{name}: resumed losses", losses, reference))
 
 
 def check_all(r: dict) -> None:
@@ -44,6 +59,5 @@ def check_all(r: dict) -> None:
         saved = r[name]["saved"]
         assert saved["keys_match"] and saved["max_abs_diff"] == 0.0, (name, saved)
     for name in ("trainer", "grpo", "dpo"):
-        out = r[name]["resume"]
-        assert out["losses"][1] == out["losses"][0] and out["adapters"] == 0.0, (name, out)
+        check_resumed(name, r[name], loss_scale=GRPO_SCALES["loss"] if name == "grpo" else 0.0)
     assert uneven(r["sft"]["microbatches"]), r["sft"]["microbatches"]
