@@ -1,25 +1,32 @@
-"""GRPO training step on GPUs: stock ``GRPOTrainer`` + ZeRO-3 vs ``OdcGRPOTrainer`` with padded microbatches vs
-``OdcGRPOTrainer`` padding-free, on the same rollouts, in one call.
+"""GRPO training step on GPUs: stock ``GRPOTrainer`` + ZeRO-3 and unsharded (plain) vs ``OdcGRPOTrainer`` with padded
+microbatches vs ``OdcGRPOTrainer`` padding-free, on the same rollouts, in one call.
 
     python benchmarks/grpo.py --out runs/grpo                 # one GPU: Qwen2-1.5B shape, random init, bf16
     python benchmarks/grpo.py --out runs/grpo-cpu --model tiny   # CPU smoke run (a minute)
     python benchmarks/grpo.py --out runs/grpo-lora --lora 16     # LoRA adapters (peft_config), the base frozen
 
-Each mode runs in its own process group (``--ranks`` ranks; clean memory, its own DeepSpeed engine) on the same
+Each mode runs in its own process group (``--ranks`` ranks; clean memory, its own engine) on the same
 random-init model and the same rollouts: ``--prompts`` prompts x ``--generations`` completions per optimizer step,
 prompts of a quarter to all of ``--prompt-len`` tokens, completion lengths long-tailed from ``--min-completion`` to
 ``--max-completion`` tokens (lognormal around ``--max-completion / 16``, one completion in eight cut at the limit).
 With ``--rollout scripted`` (default) the completions are drawn tokens (TRL's ``rollout_func``), so the step is the
 training phase plus TRL's scoring; ``--rollout generate`` decodes them with the policy (sampling, each completion
-forced to end at its drawn length), through lockstep-free generation under ODC and TRL's full-model gather under
-stock ZeRO-3. Nothing is downloaded: the tokenizer is a character tokenizer built in code (``ds_odc.recipes.toy_text``)
-and the model's shape comes from ``ds_odc.balancer.presets.MODEL_SHAPES``.
+forced to end at its drawn length), through lockstep-free generation under ODC, TRL's full-model gather under stock
+ZeRO-3 and the whole model under plain. Nothing is downloaded: the tokenizer is a character tokenizer built in code
+(``ds_odc.recipes.toy_text``) and the model's shape comes from ``ds_odc.balancer.presets.MODEL_SHAPES``.
 
 | mode | trainer |
 |---|---|
 | ``stock`` | ``trl.GRPOTrainer``, stock ZeRO-3 |
+| ``plain`` | ``trl.GRPOTrainer`` without DeepSpeed (``deepspeed=None``): unsharded, one rank, bf16 weights on a GPU |
 | ``odc-padded`` | ``OdcGRPOTrainer(padding_free=False)``: padded microbatches up to the stock microbatch's size |
 | ``odc-packed`` | ``OdcGRPOTrainer(padding_free=True)``: packed rows (``ds_odc_varlen``) of the same token budget |
+
+``plain`` is the unsharded baseline: TRL's trainer with the stock mode's config less its DeepSpeed config, so the
+same microbatches and accumulation steps, the model in the dtype it was saved in (bf16 weights and AdamW state on a
+GPU, fp32 on CPU) and no gradient communication. It runs at ``--ranks 1`` only (the default mode set leaves it out at
+more ranks; asking for it there is an error), where the table adds each mode's training phase against it. With
+``--lora`` TRL gives plain's adapters PEFT's default fp32 (it keeps them in the model's bf16 only under ZeRO-3).
 
 A mode takes the model's kernels after a slash (``ds_odc.training.kernels``): ``odc-packed/compiled`` compiles every
 transformer block (dynamic lengths; the training forward, the scoring forwards and activation checkpointing's
@@ -44,7 +51,8 @@ import time
 from pathlib import Path
 
 from _modes import finish_worker, model_folder, run_modes_on_random_model  # benchmarks/_modes.py
-MODES = ("stock", "odc-padded", "odc-packed")
+MODES = ("stock", "plain", "odc-padded", "odc-packed")
+PLAIN = "plain"  # TRL's trainer without DeepSpeed: the unsharded baseline, one rank only
 KERNELS = ("eager", "compiled", "fused", "compiled+fused")
 
 
@@ -66,7 +74,8 @@ def parse_args(argv=None):
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--out", default="runs/grpo")
     p.add_argument("--model", choices=sorted(SHAPES), default="1.5b")
-    p.add_argument("--modes", default=",".join(MODES))
+    p.add_argument("--modes", help=f"comma-separated NAME[/KERNELS] (default: {','.join(MODES)}; {PLAIN} only at "
+                                   "--ranks 1)")
     p.add_argument("--ranks", type=int, default=1, help="ranks per mode (GPUs, or CPU processes)")
     p.add_argument("--rollout", choices=["scripted", "generate"], default="scripted")
     p.add_argument("--prompts", type=int, help="prompts per optimizer step, all ranks (default 16; tiny: 4)")
@@ -89,8 +98,11 @@ def parse_args(argv=None):
                    help="torch.compile backend of the compiled modes (aot_eager: CPU smoke runs)")
     p.add_argument("--worker", help=argparse.SUPPRESS)
     args = p.parse_args(argv)
+    args.modes = args.modes or ",".join(m for m in MODES if m != PLAIN or args.ranks == 1)
     for mode in args.modes.split(","):
-        split_mode(mode)
+        if split_mode(mode)[0] == PLAIN and args.ranks != 1:
+            p.error(f"mode {mode!r} trains unsharded on one rank (no DeepSpeed, no gradient communication): run it "
+                    f"with --ranks 1, or leave it out of --modes")
     big = dict(prompts=16, generations=8, prompt_len=256, min_completion=16, max_completion=2048, per_device_batch=8)
     for key, value in (SMALL if args.model == "tiny" else big).items():
         if getattr(args, key) is None:
@@ -137,7 +149,8 @@ def run_worker(args) -> dict:
     world, rank = dist.get_world_size(), dist.get_rank()
     rows_per_rank = args.prompts * args.generations // world
     zero = {"stage": 3, "overlap_comm": False, "contiguous_gradients": True, "stage3_param_persistence_threshold": 0}
-    if mode != "stock":
+    odc = mode.startswith("odc")
+    if odc:
         zero["odc"] = {"enabled": True, "timeout_s": 600}
     ds_config = {"train_micro_batch_size_per_gpu": "auto", "gradient_accumulation_steps": "auto",
                  "train_batch_size": "auto", "gradient_clipping": "auto", "bf16": {"enabled": "auto"},
@@ -149,7 +162,7 @@ def run_worker(args) -> dict:
         num_iterations=args.num_iterations, learning_rate=1e-6, optim="adamw_torch", lr_scheduler_type="constant",
         logging_steps=1, save_strategy="no", report_to=[], use_cpu=not on_gpu, bf16=on_gpu,
         gradient_checkpointing=on_gpu, seed=args.seed, disable_tqdm=True, log_completions=False,
-        deepspeed=ds_config, dataloader_num_workers=0, temperature=1.0,
+        deepspeed=None if mode == PLAIN else ds_config, dataloader_num_workers=0, temperature=1.0,
         model_init_kwargs={"dtype": "bfloat16" if on_gpu else "float32"})
     tokenizer = char_tokenizer()
     # every mode loads the same weights (TRL builds the reference model from the path too)
@@ -230,14 +243,14 @@ def run_worker(args) -> dict:
             sync()
             self.steps.append({"step_s": time.perf_counter() - self.started, "rollout_s": clock["rollout"]})
 
-    base = GRPOTrainer if mode == "stock" else OdcGRPOTrainer
+    base = OdcGRPOTrainer if odc else GRPOTrainer
     cls = type(f"Timed{base.__name__}", (Timed, base), {})
     kwargs = dict(reward_funcs=lambda completions, **k: [sum(c in "aeiou" for c in t) / max(len(t), 1)
                                                          for t in completions],
                   args=config, train_dataset=dataset, processing_class=tokenizer)
     if args.rollout == "scripted":
         kwargs["rollout_func"] = scripted
-    if mode != "stock":
+    if odc:
         kwargs["padding_free"] = mode == "odc-packed"
     if args.lora:
         from ds_odc.recipes.lora import lora_config
@@ -254,7 +267,8 @@ def run_worker(args) -> dict:
               "training_s": mean("step_s") - mean("rollout_s"), "steps": timer.steps,
               "loss": [e["loss"] for e in logs],
               "microbatches": [list(m) for m in getattr(trainer, "odc_microbatch_history", [])],
-              "device": torch.cuda.get_device_name(0) if on_gpu else "cpu", "kernels": kernels}
+              "device": torch.cuda.get_device_name(0) if on_gpu else "cpu", "kernels": kernels,
+              "wrapped_model": type(trainer.model_wrapped).__name__}  # DeepSpeedEngine; plain: the model itself
     if kernels != "eager":
         from ds_odc.training.compile import compile_counts
         result["compile"] = compile_counts().as_dict()
@@ -304,18 +318,21 @@ def _worker_args(args) -> list[str]:
 def report(results: dict, args) -> str:
     lengths = [n for s in range(args.steps) for n in completion_lengths(args, s)]
     stock = results.get("stock", {})
+    plain = results.get(PLAIN) if PLAIN in results and "failed" not in results[PLAIN] else None  # its column if it ran
     lines = [f"{args.model} shape, {args.ranks} rank(s), {args.prompts} prompts x {args.generations} completions per "
              f"step, completions {min(lengths)}-{max(lengths)} tokens (median {sorted(lengths)[len(lengths) // 2]}), "
              f"{args.rollout} rollout, loss {args.loss_type}, beta {args.beta}"
              + (f", LoRA adapters of rank {args.lora} (base model frozen)" if args.lora else "")
              + f"; means over {args.steps - args.warmup} timed steps", "",
-             "| mode | training s/step | training vs stock | training vs eager | step s | step vs stock | "
-             "rollout s | peak GiB | microbatches per rank |", "|---|---|---|---|---|---|---|---|---|"]
+             "| mode | training s/step | training vs stock | " + ("training vs plain | " if plain else "")
+             + "training vs eager | step s | step vs stock | rollout s | peak GiB | microbatches per rank |",
+             "|---|---|---|---|---|---|---|---|---|" + ("---|" if plain else "")]
     for mode, r in results.items():
         if "failed" in r:
-            lines.append(f"| {mode} | failed | | | | | | | |")
+            lines.append(f"| {mode} | failed |" + " |" * (8 if plain else 7))
             continue
-        speed = lambda key: (f"{stock[key] / r[key]:.2f}x" if key in stock and r[key] > 0 else "-")  # noqa: E731
+        speed = lambda key, base=stock: (f"{base[key] / r[key]:.2f}x" if key in base and r[key] > 0  # noqa: E731
+                                         else "-")
         peak = f"{r['peak_gib']:.1f}" if "peak_gib" in r else "-"
         counts = r["microbatches"][args.warmup:] or r["microbatches"]  # stock: its accumulation steps
         per_rank = ("/".join(f"{sum(c[k] for c in counts) / len(counts):.1f}" for k in range(r["ranks"])) if counts
@@ -323,9 +340,9 @@ def report(results: dict, args) -> str:
         eager = results.get(split_mode(mode)[0]) if "/" in mode else None
         vs_eager = (f"{eager['training_s'] / r['training_s']:.2f}x" if eager and "failed" not in eager
                     and r["training_s"] > 0 else "-")
-        lines.append(f"| {mode} | {r['training_s']:.2f} | {speed('training_s')} | {vs_eager} | {r['step_s']:.2f} | "
-                     f"{speed('step_s')} | {r['rollout_s']:.2f} | {peak} | "
-                     f"{per_rank} |")
+        vs_plain = f"{speed('training_s', plain)} | " if plain else ""
+        lines.append(f"| {mode} | {r['training_s']:.2f} | {speed('training_s')} | {vs_plain}{vs_eager} | "
+                     f"{r['step_s']:.2f} | {speed('step_s')} | {r['rollout_s']:.2f} | {peak} | {per_rank} |")
     lines.append("")
     lines.append("command: python benchmarks/grpo.py " + " ".join(_worker_args(args)[2:]))
     return "\n".join(lines) + "\n"
