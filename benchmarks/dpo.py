@@ -1,10 +1,10 @@
-"""DPO training step on GPUs: stock ``DPOTrainer`` + ZeRO-3 (padded, and with ``padding_free=True``) vs
-``OdcDPOTrainer`` with padded microbatches and padding-free rows, on the same preference pairs, in one call.
+"""DPO training step on GPUs: stock ``DPOTrainer`` + ZeRO-3 (padded, and with ``padding_free=True``) and unsharded
+(plain) vs ``OdcDPOTrainer`` with padded microbatches and padding-free rows, on the same preference pairs, in one call.
 
     python benchmarks/dpo.py --out runs/dpo                  # one GPU: Qwen2-1.5B shape, random init, bf16
     python benchmarks/dpo.py --out runs/dpo-cpu --model tiny --ranks 2   # CPU smoke run (a minute)
 
-Each mode runs in its own process group (``--ranks`` ranks; clean memory, its own DeepSpeed engines) on the same
+Each mode runs in its own process group (``--ranks`` ranks; clean memory, its own engines) on the same
 random-init model (saved once; TRL loads the policy and builds the reference model from it) and the same pairs, in
 the same order: ``--pairs`` pairs per optimizer step (all ranks), prompts of a quarter to all of ``--prompt-len``
 tokens, chosen and rejected completions drawn independently, long-tailed from ``--min-completion`` to
@@ -16,8 +16,15 @@ comes from ``ds_odc.balancer.presets.MODEL_SHAPES``.
 |---|---|
 | ``stock`` | ``trl.DPOTrainer``, stock ZeRO-3, padded microbatches of ``--per-device-batch`` pairs |
 | ``stock-padding-free`` | the same with ``DPOConfig(padding_free=True)`` (TRL 1.16 trains it padded, with a warning) |
+| ``plain`` | ``trl.DPOTrainer`` without DeepSpeed (``deepspeed=None``): unsharded on one rank, bf16 weights on a GPU |
 | ``odc-padded`` | ``OdcDPOTrainer``: LB-Mini over pairs, padded microbatches within ``--max-tokens`` |
 | ``odc-packed`` | ``OdcDPOTrainer``, ``padding_free=True``: padding-free rows (``ds_odc_varlen``), the same budget |
+
+``plain`` is the unsharded baseline: ``stock`` less its DeepSpeed config, so the same pairs in the same padded
+microbatches of ``--per-device-batch`` pairs, the policy and reference models in the dtype they were saved in (bf16
+weights and AdamW state on a GPU, fp32 on CPU) and no gradient communication. It runs at ``--ranks 1`` only (the
+default mode set leaves it out at more ranks; asking for it there is an error), where the table adds each mode's
+speed against it.
 
 Every mode computes the reference log-probabilities during the step (the reference model scores the step's rows), or,
 with ``--precompute``, before training (``precompute_ref_log_probs``; not timed). Per optimizer step after
@@ -35,7 +42,8 @@ import time
 from pathlib import Path
 
 from _modes import finish_worker, model_folder, run_modes_on_random_model  # benchmarks/_modes.py
-MODES = ("stock", "stock-padding-free", "odc-padded", "odc-packed")
+MODES = ("stock", "stock-padding-free", "plain", "odc-padded", "odc-packed")
+PLAIN = "plain"  # TRL's trainer without DeepSpeed: the unsharded baseline, one rank only
 SHAPES = {"1.5b": "qwen2.5-1.5b", "0.5b": "qwen2.5-0.5b", "tiny": "tiny"}
 SMALL = dict(pairs=16, prompt_len=24, min_completion=2, max_completion=96, per_device_batch=2, max_tokens=512)
 BIG = dict(pairs=64, prompt_len=256, min_completion=16, max_completion=2048, per_device_batch=4, max_tokens=16384)
@@ -45,7 +53,8 @@ def parse_args(argv=None):
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--out", default="runs/dpo")
     p.add_argument("--model", choices=sorted(SHAPES), default="1.5b")
-    p.add_argument("--modes", default=",".join(MODES))
+    p.add_argument("--modes", help=f"comma-separated, from {','.join(MODES)} (default: all; {PLAIN} only at "
+                                   "--ranks 1)")
     p.add_argument("--ranks", type=int, default=1, help="ranks per mode (GPUs, or CPU processes)")
     p.add_argument("--pairs", type=int, help="pairs per optimizer step, all ranks (default 64; tiny: 16)")
     p.add_argument("--prompt-len", type=int, help="longest prompt in tokens (default 256; tiny: 24)")
@@ -62,9 +71,13 @@ def parse_args(argv=None):
     p.add_argument("--mode-timeout", type=float, default=600)
     p.add_argument("--worker", help=argparse.SUPPRESS)
     args = p.parse_args(argv)
+    args.modes = args.modes or ",".join(m for m in MODES if m != PLAIN or args.ranks == 1)
     for mode in args.modes.split(","):
         if mode not in MODES:
             p.error(f"mode {mode!r}: choose from {MODES}")
+        if mode == PLAIN and args.ranks != 1:
+            p.error(f"mode {mode!r} trains unsharded on one rank (no DeepSpeed, no gradient communication): run it "
+                    "with --ranks 1, or leave it out of --modes")
     for key, value in (SMALL if args.model == "tiny" else BIG).items():
         if getattr(args, key) is None:
             setattr(args, key, value)
@@ -130,7 +143,7 @@ def run_worker(args) -> dict:
         loss_type=[args.loss_type], beta=0.1, learning_rate=1e-6, optim="adamw_torch", lr_scheduler_type="constant",
         logging_steps=1, save_strategy="no", report_to=[], use_cpu=not on_gpu, bf16=on_gpu,
         **activation_checkpointing(on_gpu), seed=args.seed, data_seed=args.seed, disable_tqdm=True,
-        deepspeed=ds_config, dataloader_num_workers=0, max_length=None,
+        deepspeed=None if mode == PLAIN else ds_config, dataloader_num_workers=0, max_length=None,
         padding_free=mode in ("stock-padding-free", "odc-packed"), precompute_ref_log_probs=args.precompute,
         train_sampling_strategy="random" if odc else "sequential",
         model_init_kwargs={"dtype": "bfloat16" if on_gpu else "float32"})
@@ -175,7 +188,8 @@ def run_worker(args) -> dict:
     counts = [[e[f"odc/microbatches_rank{r}"] for r in range(world)] for e in logs if "odc/bubble" in e]
     result = {"mode": mode, "ranks": world, "step_s": step_s, "pairs_per_s": args.pairs / step_s, "steps": timer.steps,
               "loss": [e["loss"] for e in logs], "microbatches": counts,
-              "device": torch.cuda.get_device_name(0) if on_gpu else "cpu"}
+              "device": torch.cuda.get_device_name(0) if on_gpu else "cpu",
+              "wrapped_model": type(trainer.model_wrapped).__name__}  # DeepSpeedEngine; plain: the model itself
     if on_gpu:
         peak = torch.tensor([torch.cuda.max_memory_allocated() / 2**30], device="cuda")
         dist.all_reduce(peak, op=dist.ReduceOp.MAX)
@@ -211,15 +225,16 @@ def report(results: dict, args) -> str:
     rows = pair_texts(args)
     tokens = np.array([2 * len(r["prompt"]) + len(r["chosen"]) + len(r["rejected"]) + 2 for r in rows])
     stock, stock_pf = results.get("stock", {}), results.get("stock-padding-free", {})
+    plain = results.get(PLAIN) if PLAIN in results and "failed" not in results[PLAIN] else None  # its column if it ran
     lines = [f"{args.model} shape, {args.ranks} rank(s), {args.pairs} pairs per step, pairs of {tokens.min()}-"
              f"{tokens.max()} tokens (median {int(np.median(tokens))}), loss {args.loss_type}, reference log-probs "
              f"{'precomputed' if args.precompute else 'in the step'}; means over {args.steps - args.warmup} timed "
              "steps", "",
-             "| mode | step s | pairs/s | vs stock | vs stock padding-free | peak GiB | microbatches per rank |",
-             "|---|---|---|---|---|---|---|"]
+             "| mode | step s | pairs/s | vs stock | vs stock padding-free | " + ("vs plain | " if plain else "")
+             + "peak GiB | microbatches per rank |", "|---|---|---|---|---|---|---|" + ("---|" if plain else "")]
     for mode, r in results.items():
         if "failed" in r:
-            lines.append(f"| {mode} | failed | | | | | |")
+            lines.append(f"| {mode} | failed |" + " |" * (6 if plain else 5))
             continue
         versus = lambda base: (f"{r['pairs_per_s'] / base['pairs_per_s']:.2f}x"  # noqa: E731
                                if "pairs_per_s" in base else "-")
@@ -227,8 +242,9 @@ def report(results: dict, args) -> str:
         counts = r["microbatches"][args.warmup:] or r["microbatches"]
         per_rank = ("/".join(f"{sum(c[k] for c in counts) / len(counts):.1f}" for k in range(r["ranks"])) if counts
                     else str(args.pairs // (args.ranks * args.per_device_batch)))  # stock: its accumulation steps
+        vs_plain = f"{versus(plain)} | " if plain else ""
         lines.append(f"| {mode} | {r['step_s']:.2f} | {r['pairs_per_s']:.1f} | {versus(stock)} | {versus(stock_pf)} | "
-                     f"{peak} | {per_rank} |")
+                     f"{vs_plain}{peak} | {per_rank} |")
     lines.append("")
     lines.append("command: python benchmarks/dpo.py " + " ".join(_worker_args(args)[2:]))
     return "\n".join(lines) + "\n"

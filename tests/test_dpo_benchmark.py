@@ -1,5 +1,5 @@
-"""benchmarks/dpo.py end to end at CPU scale: stock DPOTrainer (padded and padding_free) and OdcDPOTrainer (padded and
-padding-free) train the same pairs and report their timings."""
+"""benchmarks/dpo.py end to end at CPU scale: stock DPOTrainer (padded and padding_free), DPOTrainer unsharded (plain)
+and OdcDPOTrainer (padded and padding-free) train the same pairs and report their timings."""
 
 import json
 import math
@@ -22,10 +22,15 @@ def test_dpo_benchmark_on_cpu(tmp_path):
     proc = subprocess.run(cmd, env=cpu_env(), capture_output=True, text=True, timeout=800)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     results = json.loads((tmp_path / "dpo.json").read_text())
-    assert set(results) == {"stock", "stock-padding-free", "odc-padded", "odc-packed"}
+    assert set(results) == {"stock", "stock-padding-free", "plain", "odc-padded", "odc-packed"}
     for mode, r in results.items():
         assert r["step_s"] > 0 and r["pairs_per_s"] > 0 and len(r["steps"]) == 2, (mode, r)
         assert abs(r["loss"][0] - math.log(2)) <= 1e-5, (mode, r["loss"])  # the policy starts as its reference
     assert results["odc-packed"]["microbatches"] and results["odc-padded"]["microbatches"], results
+    # plain is DPOTrainer without DeepSpeed: the same AdamW step on the same gradients, so at step 2 (which moved the
+    # loss 2.7e-5 away from log 2) stock's loss again
+    assert results["stock"]["wrapped_model"] == "DeepSpeedEngine" != results["plain"]["wrapped_model"], results
+    assert abs(results["plain"]["loss"][1] - results["stock"]["loss"][1]) <= 1e-6, results
     table = (tmp_path / "dpo.md").read_text()
-    assert table.count("x |") >= 8 and "command: python benchmarks/dpo.py" in table, table
+    assert "vs plain" in table and "| plain |" in table, table
+    assert table.count("x |") >= 15 and "command: python benchmarks/dpo.py" in table, table
