@@ -17,7 +17,8 @@ from typing import Callable, Sequence
 
 ROOT = Path(__file__).resolve().parent.parent
 
-__all__ = ["ROOT", "model_folder", "save_random_model", "run_modes", "run_modes_on_random_model", "finish_worker"]
+__all__ = ["ROOT", "model_folder", "save_random_model", "run_modes", "run_modes_on_random_model", "finish_worker",
+           "lora_kwargs", "adapters_in_model_dtype"]
 
 
 def model_folder(out: str | Path, model: str) -> Path:
@@ -45,6 +46,25 @@ def save_random_model(shape: str, folder: Path, *, max_positions: int, seed: int
     del model
     if on_gpu:
         torch.cuda.empty_cache()  # the modes run in their own processes
+
+
+def lora_kwargs(lora: int | None) -> dict:
+    """A TRL trainer's keyword arguments for ``--lora RANK``: ``peft_config`` (``ds_odc.recipes.lora``), or none."""
+    if not lora:
+        return {}
+    from ds_odc.recipes.lora import lora_config
+    return {"peft_config": lora_config(lora)}
+
+
+def adapters_in_model_dtype(model) -> None:
+    """Cast a PEFT model's trainable parameters (its adapters) to the dtype of its frozen ones. TRL's ``peft_config``
+    makes the adapters float32 in a bf16 model except under ZeRO-3, where it makes them in the model's dtype: the
+    unsharded mode calls this before training so that every mode of a call trains the same adapters alike (the
+    same initial values; TRL's path draws them identically in every mode)."""
+    frozen = next(p.dtype for p in model.parameters() if not p.requires_grad)
+    for p in model.parameters():
+        if p.requires_grad:
+            p.data = p.data.to(frozen)
 
 
 def run_modes(script: str, modes: Sequence[str], worker_args: Sequence[str], *, ranks: int, out: Path,

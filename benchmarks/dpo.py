@@ -3,6 +3,7 @@
 
     python benchmarks/dpo.py --out runs/dpo                  # one GPU: Qwen2-1.5B shape, random init, bf16
     python benchmarks/dpo.py --out runs/dpo-cpu --model tiny --ranks 2   # CPU smoke run (a minute)
+    python benchmarks/dpo.py --out runs/dpo-lora --lora 16      # LoRA adapters, the base model frozen
 
 Each mode runs in its own process group (``--ranks`` ranks; clean memory, its own engines) on the same
 random-init model (saved once; TRL loads the policy and builds the reference model from it) and the same pairs, in
@@ -41,7 +42,7 @@ import shutil
 import time
 from pathlib import Path
 
-from _modes import finish_worker, model_folder, run_modes_on_random_model  # benchmarks/_modes.py
+from _modes import finish_worker, model_folder, run_modes_on_random_model, adapters_in_model_dtype, lora_kwargs  # benchmarks/_modes.py
 MODES = ("stock", "stock-padding-free", "plain", "odc-padded", "odc-packed")
 PLAIN = "plain"  # TRL's trainer without DeepSpeed: the unsharded baseline, one rank only
 SHAPES = {"1.5b": "qwen2.5-1.5b", "0.5b": "qwen2.5-0.5b", "tiny": "tiny"}
@@ -65,6 +66,9 @@ def parse_args(argv=None):
                                                   "(default 16384; tiny: 512)")
     p.add_argument("--loss-type", default="sigmoid")
     p.add_argument("--precompute", action="store_true", help="reference log-probs before training (not timed)")
+    p.add_argument("--lora", type=int, default=None, metavar="RANK",
+                   help="train LoRA adapters of this rank on every linear layer but the LM head, in the model's dtype; "
+                        "the reference model is then the base model, adapters disabled (as TRL does)")
     p.add_argument("--steps", type=int, default=4, help="optimizer steps per mode, warm-up included")
     p.add_argument("--warmup", type=int, default=1)
     p.add_argument("--seed", type=int, default=0)
@@ -176,11 +180,14 @@ def run_worker(args) -> dict:
                   callbacks=[timer])
     # every mode loads the same weights; TRL builds the reference model from them
     model = str(model_folder(args.out, args.model))
+    kwargs.update(lora_kwargs(args.lora))
     if odc:
         trainer = OdcDPOTrainer(model, max_tokens_per_microbatch=args.max_tokens, **kwargs)
     else:
         trainer = DPOTrainer(model, **kwargs)
         match_accelerate_backend(trainer.args)
+    if args.lora and mode == PLAIN:
+        adapters_in_model_dtype(trainer.model)
     trainer.train()
     timed = timer.steps[args.warmup:] or timer.steps
     step_s = sum(timed) / len(timed)
@@ -217,7 +224,7 @@ def _worker_args(args) -> list[str]:
     keys = ("out", "model", "ranks", "pairs", "prompt_len", "min_completion", "max_completion", "per_device_batch",
             "max_tokens", "loss_type", "steps", "warmup", "seed")
     out = [x for k in keys for x in (f"--{k.replace('_', '-')}", str(getattr(args, k)))]
-    return out + (["--precompute"] if args.precompute else [])
+    return out + (["--precompute"] if args.precompute else []) + (["--lora", str(args.lora)] if args.lora else [])
 
 
 def report(results: dict, args) -> str:
@@ -228,8 +235,9 @@ def report(results: dict, args) -> str:
     plain = results.get(PLAIN) if PLAIN in results and "failed" not in results[PLAIN] else None  # its column if it ran
     lines = [f"{args.model} shape, {args.ranks} rank(s), {args.pairs} pairs per step, pairs of {tokens.min()}-"
              f"{tokens.max()} tokens (median {int(np.median(tokens))}), loss {args.loss_type}, reference log-probs "
-             f"{'precomputed' if args.precompute else 'in the step'}; means over {args.steps - args.warmup} timed "
-             "steps", "",
+             f"{'precomputed' if args.precompute else 'in the step'}"
+             + (f", LoRA adapters of rank {args.lora} (base model frozen)" if args.lora else "")
+             + f"; means over {args.steps - args.warmup} timed steps", "",
              "| mode | step s | pairs/s | vs stock | vs stock padding-free | " + ("vs plain | " if plain else "")
              + "peak GiB | microbatches per rank |", "|---|---|---|---|---|---|---|" + ("---|" if plain else "")]
     for mode, r in results.items():

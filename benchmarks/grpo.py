@@ -26,7 +26,8 @@ ZeRO-3 and the whole model under plain. Nothing is downloaded: the tokenizer is 
 same microbatches and accumulation steps, the model in the dtype it was saved in (bf16 weights and AdamW state on a
 GPU, fp32 on CPU) and no gradient communication. It runs at ``--ranks 1`` only (the default mode set leaves it out at
 more ranks; asking for it there is an error), where the table adds each mode's training phase against it. With
-``--lora`` TRL gives plain's adapters PEFT's default fp32 (it keeps them in the model's bf16 only under ZeRO-3).
+``--lora`` every mode trains its adapters in the model's dtype (TRL makes plain's float32: they are cast before
+training).
 
 A mode takes the model's kernels after a slash (``ds_odc.training.kernels``): ``odc-packed/compiled`` compiles every
 transformer block (dynamic lengths; the training forward, the scoring forwards and activation checkpointing's
@@ -50,7 +51,7 @@ import json
 import time
 from pathlib import Path
 
-from _modes import finish_worker, model_folder, run_modes_on_random_model  # benchmarks/_modes.py
+from _modes import finish_worker, model_folder, run_modes_on_random_model, adapters_in_model_dtype, lora_kwargs  # benchmarks/_modes.py
 MODES = ("stock", "plain", "odc-padded", "odc-packed")
 PLAIN = "plain"  # TRL's trainer without DeepSpeed: the unsharded baseline, one rank only
 KERNELS = ("eager", "compiled", "fused", "compiled+fused")
@@ -252,11 +253,10 @@ def run_worker(args) -> dict:
         kwargs["rollout_func"] = scripted
     if odc:
         kwargs["padding_free"] = mode == "odc-packed"
-    if args.lora:
-        from ds_odc.recipes.lora import lora_config
-        kwargs["peft_config"] = lora_config(args.lora)
     timer = StepTimer()
-    trainer = cls(model, callbacks=[timer], **kwargs)
+    trainer = cls(model, callbacks=[timer], **kwargs, **lora_kwargs(args.lora))
+    if args.lora and mode == PLAIN:
+        adapters_in_model_dtype(trainer.model)
     apply_grpo_kernels(trainer.model, kernels, args.compile_backend)
     trainer.train()
     timed = timer.steps[args.warmup:] or timer.steps

@@ -34,3 +34,30 @@ def test_dpo_benchmark_on_cpu(tmp_path):
     table = (tmp_path / "dpo.md").read_text()
     assert "vs plain" in table and "| plain |" in table, table
     assert table.count("x |") >= 15 and "command: python benchmarks/dpo.py" in table, table
+
+
+def test_unsharded_adapters_take_the_model_dtype():
+    # TRL's peft_config makes adapters float32 in a bf16 model unless ZeRO-3 is on; the benchmarks' plain mode casts
+    # them so that every mode trains bf16 adapters of the same initial values (the cast of each value, exactly).
+    pytest.importorskip("peft")
+    import torch
+    from peft import get_peft_model
+    from transformers import Qwen2Config, Qwen2ForCausalLM
+
+    sys.path.insert(0, str(ROOT / "benchmarks"))
+    try:
+        from _modes import adapters_in_model_dtype, lora_kwargs
+    finally:
+        sys.path.remove(str(ROOT / "benchmarks"))
+    config = Qwen2Config(vocab_size=64, hidden_size=32, intermediate_size=64, num_hidden_layers=1,
+                         num_attention_heads=2, num_key_value_heads=1)
+    torch.manual_seed(0)
+    model = get_peft_model(Qwen2ForCausalLM(config).to(torch.bfloat16), **lora_kwargs(4))
+    trainable = {n: p.detach().clone() for n, p in model.named_parameters() if p.requires_grad}
+    assert trainable and {p.dtype for p in trainable.values()} == {torch.float32}  # PEFT's default upcast
+    adapters_in_model_dtype(model)
+    after = {n: p for n, p in model.named_parameters() if p.requires_grad}
+    assert after.keys() == trainable.keys() and all("lora_" in n for n in after)
+    for name, p in after.items():
+        assert p.dtype == torch.bfloat16 and torch.equal(p, trainable[name].to(torch.bfloat16)), name
+    assert lora_kwargs(None) == lora_kwargs(0) == {}

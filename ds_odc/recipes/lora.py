@@ -3,7 +3,7 @@ compared in one call gets the same adapters."""
 
 from __future__ import annotations
 
-__all__ = ["lora_config"]
+__all__ = ["lora_config", "with_adapters"]
 
 
 def lora_config(rank: int | None):
@@ -13,3 +13,11 @@ def lora_config(rank: int | None):
         return None
     from peft import LoraConfig
     return LoraConfig(r=rank, lora_alpha=2 * rank, lora_dropout=0.0, target_modules="all-linear")
+
+
+def with_adapters(model, rank: int):
+    """``model`` (a transformers model) with the adapters of :func:`lora_config` put into its layers, in the model's
+    own dtype: PEFT would make them float32 in a bf16 model, while DeepSpeed trains them in the model's dtype, so
+    every engine compared in one call computes them alike."""
+    from peft import get_peft_model
+    return get_peft_model(model, lora_config(rank), autocast_adapter_dtype=False)

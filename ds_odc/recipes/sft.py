@@ -19,7 +19,7 @@ from ds_odc.balancer import FittedCost, choose_cost
 from ds_odc.balancer.planners import DEFAULT_PLANNER, PLANNERS, get_planner
 from ds_odc.balancer.presets import MODEL_SHAPES, PRESETS
 from ds_odc.balancer.sp import DEFAULT_EFFICIENCY, SplitPolicy
-from ds_odc.recipes.lora import lora_config
+from ds_odc.recipes.lora import with_adapters
 from ds_odc.recipes.workloads import load_lengths, tokenize_text_file
 from ds_odc.training import attention
 from ds_odc.training.kernels import KERNEL_CHOICES, Kernels, apply_kernels
@@ -184,10 +184,7 @@ def prepare_model(model: torch.nn.Module, args: argparse.Namespace) -> torch.nn.
         model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
     apply_kernels(model, kernels)
     if getattr(args, "lora", None):
-        from peft import get_peft_model  # the adapters go into the model's layers (in place)
-        # adapters in the model's own dtype (PEFT would keep them in fp32 in a bf16 model): every engine computes
-        # them as it computes the rest, and the comparisons of benchmarks/e2e.py stay like for like
-        model = get_peft_model(model, lora_config(args.lora), autocast_adapter_dtype=False)
+        model = with_adapters(model, args.lora)  # in the model's dtype: benchmarks/e2e.py's engines alike
     return model
 
 
