@@ -20,7 +20,8 @@ samples/s measured in this one call (ratios, not absolute times, are what carry 
 is compared like for like: with FSDP2 and with plain training on the same rows (packed with packed, unpacked with
 unpacked, the same attention), when those ran in the call. A second table puts the simulator beside every run: its
 step time predicted from the run's own minibatches, planner and sync, with the cost fitted to the run's timed steps
-(``ds_odc.balancer.simulate.replay_run``).
+(``ds_odc.balancer.simulate.replay_run``). On a machine without CUDA (smoke runs with ``--model tiny``) every mode
+computes in fp32, as FSDP2 and plain training do there: the DeepSpeed modes get their config with ``bf16`` off.
 
 Kernels: a mode option ``/compiled`` (every transformer block through ``torch.compile``, dynamic lengths),
 ``/fused`` (Liger's kernels) or ``/compiled+fused`` (compiled blocks plus Liger's fused linear cross-entropy on the
@@ -209,6 +210,19 @@ def like_for_like(mode: str, base: str, ran: dict, workload: str) -> str | None:
     return None
 
 
+def engine_config(path: Path, out: Path) -> Path:
+    """A DeepSpeed mode's config: ``path`` on a GPU; without CUDA the same config with ``bf16`` off, written into
+    ``out``. FSDP2 and plain training compute in fp32 on the CPU (bf16 matmuls there are several times slower than
+    fp32), so every mode of a CPU call then computes in the same precision."""
+    if torch.cuda.is_available():
+        return path
+    config = json.loads(path.read_text())
+    config["bf16"] = {"enabled": False}
+    target = out / f"fp32-{path.parent.parent.name}-{path.name}"
+    target.write_text(json.dumps(config, indent=1))
+    return target
+
+
 def run(mode: str, args, lengths: Path, out: Path, round_: int = 0) -> dict:
     name, packed, attn, kernel, kernels = parse_mode(mode, args.workload)
     root = checkout_of(mode)
@@ -235,7 +249,7 @@ def run(mode: str, args, lengths: Path, out: Path, round_: int = 0) -> dict:
     if args.cost_coeffs:
         cmd += ["--cost-coeffs", args.cost_coeffs]
     if config:
-        cmd += ["--deepspeed", str(root / "ds_configs" / config)]
+        cmd += ["--deepspeed", str(engine_config(root / "ds_configs" / config, out))]
     if args.sdpa_backends:
         cmd += ["--sdpa-backends", args.sdpa_backends]
     if profile:
