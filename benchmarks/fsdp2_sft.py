@@ -81,7 +81,8 @@ def main():
                                    python_stacks=args.profile_python)
                      if step == args.profile_step else contextlib.nullcontext())
         clock.start()
-        loss_share = 0.0
+        # summed on the device: reading a microbatch's loss on the host would wait for its backward, every microbatch
+        loss_share = torch.zeros((), dtype=torch.float64, device=device)
         with profiling as profiled:
             for mb in batch.microbatches:
                 samples = [{"input_ids": token_ids[j] if token_ids else sample_tokens(j, int(lengths[j]),
@@ -90,7 +91,7 @@ def main():
                 row = on_device(collate(samples), device)
                 loss = model(**row, num_items_in_batch=1 / weight).loss
                 loss.backward()  # FSDP2 averages gradients over ranks, as ZeRO does: the W in `weight` cancels it
-                loss_share += loss.item() / world
+                loss_share += loss.detach().double() / world
             torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
             optimizer.step()
             optimizer.zero_grad(set_to_none=True)

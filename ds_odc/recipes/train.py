@@ -96,7 +96,8 @@ def train(args) -> dict | None:
         profiling = (profile_step(args.profile_dir, rank, decoder_layers(model), python_stacks=args.profile_python)
                      if step == args.profile_step else contextlib.nullcontext())
         clock.start()
-        loss_share = 0.0
+        # summed on the device: reading a microbatch's loss on the host would wait for its backward, every microbatch
+        loss_share = torch.zeros((), dtype=torch.float64, device=device)
         k = len(batch.microbatches)  # differs between ranks under lb-mini
         with profiling as profiled:
             for i, mb in enumerate(batch.microbatches):
@@ -115,7 +116,7 @@ def train(args) -> dict | None:
                     loss = engine(**row, num_items_in_batch=1 / weight).loss  # the sum divided by N / W
                     engine.backward(loss, scale_wrt_gas=False)
                 engine.step()  # the optimizer steps after the last microbatch only (the boundary)
-                loss_share += loss.item() / world
+                loss_share += loss.detach().double() / world
             if k == 0:  # a rank with no microbatch still joins the step
                 engine.set_gradient_accumulation_boundary(True)
                 engine.step()
