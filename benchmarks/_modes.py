@@ -18,7 +18,7 @@ from typing import Callable, Sequence
 ROOT = Path(__file__).resolve().parent.parent
 
 __all__ = ["ROOT", "model_folder", "save_random_model", "run_modes", "run_modes_on_random_model", "finish_worker",
-           "lora_kwargs", "adapters_in_model_dtype"]
+           "adapters_in_model_dtype"]
 
 
 def model_folder(out: str | Path, model: str) -> Path:
@@ -46,14 +46,6 @@ def save_random_model(shape: str, folder: Path, *, max_positions: int, seed: int
     del model
     if on_gpu:
         torch.cuda.empty_cache()  # the modes run in their own processes
-
-
-def lora_kwargs(lora: int | None) -> dict:
-    """A TRL trainer's keyword arguments for ``--lora RANK``: ``peft_config`` (``ds_odc.recipes.lora``), or none."""
-    if not lora:
-        return {}
-    from ds_odc.recipes.lora import lora_config
-    return {"peft_config": lora_config(lora)}
 
 
 def adapters_in_model_dtype(model) -> None:

@@ -42,7 +42,8 @@ import shutil
 import time
 from pathlib import Path
 
-from _modes import finish_worker, model_folder, run_modes_on_random_model, adapters_in_model_dtype, lora_kwargs  # benchmarks/_modes.py
+from _modes import (adapters_in_model_dtype, finish_worker, model_folder,  # benchmarks/_modes.py
+                    run_modes_on_random_model)
 MODES = ("stock", "stock-padding-free", "plain", "odc-padded", "odc-packed")
 PLAIN = "plain"  # TRL's trainer without DeepSpeed: the unsharded baseline, one rank only
 SHAPES = {"1.5b": "qwen2.5-1.5b", "0.5b": "qwen2.5-0.5b", "tiny": "tiny"}
@@ -125,6 +126,7 @@ def run_worker(args) -> dict:
     from ds_odc.balancer.sampler import BalancedBatchSampler
     from ds_odc.integrations import activation_checkpointing, match_accelerate_backend
     from ds_odc.integrations.trl_dpo import OdcDPOTrainer
+    from ds_odc.recipes.lora import lora_config
     from ds_odc.recipes.toy_text import char_tokenizer
 
     mode, on_gpu = args.worker, torch.cuda.is_available()
@@ -177,10 +179,9 @@ def run_worker(args) -> dict:
     dist.barrier()
     timer = StepTimer()
     kwargs = dict(args=config, train_dataset=load_from_disk(str(data_dir)), processing_class=char_tokenizer(),
-                  callbacks=[timer])
+                  callbacks=[timer], peft_config=lora_config(args.lora))
     # every mode loads the same weights; TRL builds the reference model from them
     model = str(model_folder(args.out, args.model))
-    kwargs.update(lora_kwargs(args.lora))
     if odc:
         trainer = OdcDPOTrainer(model, max_tokens_per_microbatch=args.max_tokens, **kwargs)
     else:

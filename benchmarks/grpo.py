@@ -51,7 +51,8 @@ import json
 import time
 from pathlib import Path
 
-from _modes import finish_worker, model_folder, run_modes_on_random_model, adapters_in_model_dtype, lora_kwargs  # benchmarks/_modes.py
+from _modes import (adapters_in_model_dtype, finish_worker, model_folder,  # benchmarks/_modes.py
+                    run_modes_on_random_model)
 MODES = ("stock", "plain", "odc-padded", "odc-packed")
 PLAIN = "plain"  # TRL's trainer without DeepSpeed: the unsharded baseline, one rank only
 KERNELS = ("eager", "compiled", "fused", "compiled+fused")
@@ -144,6 +145,7 @@ def run_worker(args) -> dict:
     from trl import GRPOConfig, GRPOTrainer
 
     from ds_odc.integrations.trl_grpo import OdcGRPOTrainer
+    from ds_odc.recipes.lora import lora_config
     from ds_odc.recipes.toy_text import char_tokenizer
 
     (mode, kernels), on_gpu = split_mode(args.worker), torch.cuda.is_available()
@@ -254,7 +256,7 @@ def run_worker(args) -> dict:
     if odc:
         kwargs["padding_free"] = mode == "odc-packed"
     timer = StepTimer()
-    trainer = cls(model, callbacks=[timer], **kwargs, **lora_kwargs(args.lora))
+    trainer = cls(model, callbacks=[timer], peft_config=lora_config(args.lora), **kwargs)
     if args.lora and mode == PLAIN:
         adapters_in_model_dtype(trainer.model)
     apply_grpo_kernels(trainer.model, kernels, args.compile_backend)

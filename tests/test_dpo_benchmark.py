@@ -44,15 +44,17 @@ def test_unsharded_adapters_take_the_model_dtype():
     from peft import get_peft_model
     from transformers import Qwen2Config, Qwen2ForCausalLM
 
+    from ds_odc.recipes.lora import lora_config
+
     sys.path.insert(0, str(ROOT / "benchmarks"))
     try:
-        from _modes import adapters_in_model_dtype, lora_kwargs
+        from _modes import adapters_in_model_dtype
     finally:
         sys.path.remove(str(ROOT / "benchmarks"))
     config = Qwen2Config(vocab_size=64, hidden_size=32, intermediate_size=64, num_hidden_layers=1,
                          num_attention_heads=2, num_key_value_heads=1)
     torch.manual_seed(0)
-    model = get_peft_model(Qwen2ForCausalLM(config).to(torch.bfloat16), **lora_kwargs(4))
+    model = get_peft_model(Qwen2ForCausalLM(config).to(torch.bfloat16), lora_config(4))
     trainable = {n: p.detach().clone() for n, p in model.named_parameters() if p.requires_grad}
     assert trainable and {p.dtype for p in trainable.values()} == {torch.float32}  # PEFT's default upcast
     adapters_in_model_dtype(model)
@@ -60,4 +62,4 @@ def test_unsharded_adapters_take_the_model_dtype():
     assert after.keys() == trainable.keys() and all("lora_" in n for n in after)
     for name, p in after.items():
         assert p.dtype == torch.bfloat16 and torch.equal(p, trainable[name].to(torch.bfloat16)), name
-    assert lora_kwargs(None) == lora_kwargs(0) == {}
+    assert lora_config(None) is lora_config(0) is None  # no --lora: the trainers get peft_config=None
