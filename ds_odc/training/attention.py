@@ -37,6 +37,7 @@ from typing import Any, Literal
 import torch
 import torch.nn.functional as F
 from torch.nn.attention import SDPBackend, sdpa_kernel
+from torch.utils.checkpoint import checkpoint
 from torch.utils.weak import WeakTensorKeyDictionary
 
 __all__ = ["ATTENTION_NAME", "LONG_DOCUMENT", "KernelChoice", "DocumentBoundaries", "register", "use_kernel",
@@ -362,11 +363,19 @@ def bucket_lengths(longest: int, shortest: int = LONG_DOCUMENT) -> list[int]:
     return found
 
 
+def _attend_one_document(q, k, v, *, length, scaling, long_document):
+    return _bucketed(*(x.transpose(1, 2) for x in (q, k, v)), (length,), scaling, True, long_document)
+
+
 def plan_buckets(model: torch.nn.Module, longest: int, device: torch.device, dtype: torch.dtype) -> tuple[int, float]:
     """Run attention of one layer of ``model`` (a transformers model) once per bucket up to ``longest`` tokens,
     forward and backward, as training will: cuDNN plans each shape now instead of during the first steps (tens of ms
     of host time per new shape, with the GPU waiting). Returns (shapes planned, seconds). A no-op where the model's
-    kernel choice is not ``bucketed`` on this device."""
+    kernel choice is not ``bucketed`` on this device.
+
+    torch keeps cuDNN's attention plans per thread, and training runs attention on two: the forward on the caller's
+    (with autograd, or without it under reentrant activation checkpointing), and the backward and the recomputed
+    forward of activation checkpointing on autograd's device thread. Each shape is planned on both, in every variant."""
     config, choice = model.config, kernel_choice(model)
     heads = config.num_attention_heads
     kv_heads = getattr(config, "num_key_value_heads", None) or heads
@@ -379,8 +388,11 @@ def plan_buckets(model: torch.nn.Module, longest: int, device: torch.device, dty
         length = max(n - 1, choice.long_document)  # padded to n, as nearly every document of this bucket is
         q, k, v = (torch.zeros(1, length, h, head_dim, device=device, dtype=dtype, requires_grad=True)
                    for h in (heads, kv_heads, kv_heads))
-        out = _bucketed(*(x.transpose(1, 2) for x in (q, k, v)), (length,), head_dim ** -0.5, True,
-                        choice.long_document)
+        attend = functools.partial(_attend_one_document, length=length, scaling=head_dim ** -0.5,
+                                   long_document=choice.long_document)
+        with torch.no_grad():
+            attend(q, k, v)
+        out = checkpoint(attend, q, k, v, use_reentrant=False)  # forward again, and backward, on autograd's thread
         out.backward(torch.ones_like(out))
     if buckets:
         torch.cuda.synchronize(device)

@@ -6,6 +6,8 @@ document in fp32 (math kernel) on the same bf16 values. Each kernel's output and
 to it as bf16 sdpa per document (what a model without packing computes): within 2x its max error, plus 1e-3.
 """
 
+import threading
+
 import pytest
 import torch
 import torch.nn.functional as F
@@ -14,6 +16,7 @@ from ds_odc.training import attention
 
 LENGTHS = [9000, 300, 17, 1, 6500, 900, 7000, 64]
 HEADS, KV_HEADS, DIM = 12, 2, 128
+MAIN = threading.get_ident()
 
 
 def _row():
@@ -67,14 +70,26 @@ def test_gpu_kernels_are_as_exact_as_sdpa_per_document(kernel):
         assert err <= 2 * stock_err + 1e-3, f"{kernel} {name}: {err:.3e} from exact, bf16 sdpa {stock_err:.3e}"
 
 
-def test_planning_runs_every_bucket_once():
+def test_planning_runs_every_bucket_once(monkeypatch):
     if not torch.cuda.is_available():
         pytest.skip("needs CUDA")
     pytest.importorskip("torch.nn.attention.varlen")
     from transformers import Qwen2Config
     model = torch.nn.Module()  # plan_buckets reads the model's config and kernel choice only
     model.config = Qwen2Config(hidden_size=HEADS * DIM, num_attention_heads=HEADS, num_key_value_heads=KV_HEADS)
+    # cuDNN keeps its plans per thread: every bucket's forward must run on this thread with and without autograd,
+    # and again on autograd's thread (where activation checkpointing recomputes it).
+    seen, bucketed = set(), attention._bucketed
+
+    def recorded(q, k, v, lengths, *rest):
+        seen.add((attention.bucket_length(lengths[0]), threading.get_ident() == MAIN, torch.is_grad_enabled()))
+        return bucketed(q, k, v, lengths, *rest)
+
+    monkeypatch.setattr(attention, "_bucketed", recorded)
     shapes, _ = attention.plan_buckets(model, 20000, torch.device("cuda"), torch.bfloat16)
     assert shapes == len(attention.bucket_lengths(20000)) == 15
+    assert seen == {(n, *where) for n in attention.bucket_lengths(20000)
+                    for where in [(True, True), (True, False), (False, True)]}
+    monkeypatch.undo()
     attention.use_kernel(model, "varlen")
     assert attention.plan_buckets(model, 20000, torch.device("cuda"), torch.bfloat16) == (0, 0.0)
