@@ -85,7 +85,7 @@ from ds_odc.integrations._metrics import BalanceMeter
 from ds_odc.integrations._packs import (SPLIT_INPUTS_KEY, Pack, PackBatchSampler, PackCollator, PackDataset,
                                         PackLoader, SplitInputs, dataset_lengths, describe_row)
 from ds_odc.integrations._stock_metrics import SlotMetrics, combine
-from ds_odc.training.attention import ATTENTION_NAME
+from ds_odc.training.attention import ATTENTION_NAME, plan_buckets
 from ds_odc.training.loss import count_loss_tokens, use_chunked_loss
 from ds_odc.training.metrics import StepClock, StepRecord, record_from_rows
 from ds_odc.training.sequence_parallel import ATTENTION_NAME as SP_ATTENTION_NAME
@@ -347,6 +347,8 @@ class PackRunner(OdcRunner):
         self.resume_dir: str | None = None
         self.position: tuple[int, int] | None = None  # (epoch, next step) after the last trained pack
         self._order: tuple[int, np.ndarray] | None = None  # (epoch, its sample order)
+        self._longest_document: int | None = None  # of the data, within the token budget: set with the loader
+        self._attention_planned = False
         self.prepare_model(trainer.model, packed_attention, loss_chunk_tokens)
 
     def prepare_model(self, model, packed_attention: bool | None, loss_chunk_tokens: int | None) -> None:
@@ -383,6 +385,7 @@ class PackRunner(OdcRunner):
                              "a map-style train_dataset with a length column")
         # Before column removal drops a length column; every sample is checked here, before the first step.
         lengths, sq_lengths = dataset_lengths(dataset, self.options.length_column)
+        self._longest_document = min(int(np.max(lengths, initial=0)), self.options.max_tokens or np.iinfo(np.int64).max)
         if args.remove_unused_columns and hasattr(dataset, "column_names"):
             dataset = remove_unused_columns(trainer, dataset)  # what the stock loader does
         seed = args.data_seed if args.data_seed is not None else args.seed
@@ -470,6 +473,9 @@ class PackRunner(OdcRunner):
             return stock(model, inputs, num_items_in_batch)
         pack = inputs
         self._check_position(pack)
+        if not self._attention_planned:
+            self._attention_planned = True
+            self.plan_attention()
         metrics = SlotMetrics()
         # Each microbatch goes through the stock training_step (its _prepare_inputs, loss context and backward), which
         # hands the Microbatch to the trainer's compute_loss.
@@ -480,6 +486,20 @@ class PackRunner(OdcRunner):
         self.trainer.odc_step_metrics(pack, combine(everyone))
         self.position = (pack.epoch, pack.step + 1)
         return times.loss.detach()
+
+    def plan_attention(self) -> None:
+        """Once, before the first step (outside its clock): cuDNN's plans for every bucket of long documents the data
+        can bring (``ds_odc.training.attention.plan_buckets``; nothing to do off CUDA or without ``ds_odc_varlen``),
+        so that the first steps, and the automatic cost fitted from them, run at the speed of later ones."""
+        model = underlying_model(self.trainer.model)
+        attention = getattr(getattr(model, "config", None), "_attn_implementation", None)
+        if attention != ATTENTION_NAME or self._longest_document is None:
+            return
+        dtype = next(model.parameters()).dtype
+        shapes, seconds = plan_buckets(model, self._longest_document, self.trainer.args.device, dtype)
+        if shapes and self.trainer.args.process_index == 0:
+            logger.info(f"ds_odc: planned {shapes} bucketed attention shapes up to {self._longest_document} tokens "
+                        f"in {seconds:.1f} s")
 
     def prepare(self, model, microbatches: Sequence[Microbatch]) -> Sequence[Microbatch]:
         return self.trainer.odc_prepare_step(model, microbatches)

@@ -37,6 +37,8 @@ def test_odc_lb_mini_matches_stock_zero3_loss_curve(equivalence):
     assert loss["stock"][-1] < loss["stock"][0]  # it trained
     # ...with OdcTrainer's defaults for packed rows: ds_odc_varlen attention and the chunked loss (stock: sdpa, logits)
     assert equivalence["odc_attention"] == "ds_odc_varlen" and equivalence["odc_chunked_loss"]
+    # ...and its attention planned once, before the first step, for the longest sample (within the 48-token budget)
+    assert equivalence["planned_attention"] == [[min(equivalence["longest_sample"], 48), equivalence["odc_dtype"], 0]]
 
 
 def test_a_wrong_weight_is_caught(equivalence):
