@@ -2,7 +2,7 @@
 
     python benchmarks/e2e.py --model qwen2.5-1.5b --workload longtail --nproc 2 --out results/
 
-Workloads (4 samples per rank per minibatch, 1 warm-up + 4 timed):
+Workloads (4 samples per rank per minibatch; ``--warmup`` minibatches, default 1, then the timed ones):
   longtail         clamp(exp(ln 8000 + 0.8 N(0,1)), 1024, 32768) from torch.Generator().manual_seed(0), one
                    sample per microbatch
   longtail-packed  the same lengths; the planners pack samples into padding-free rows of up to 64k tokens
@@ -40,7 +40,9 @@ with L the document length, N the parameters that multiply activations (all of t
 embedding), d_attn = heads x head_dim, causal attention counted as half of the full L^2 (forward 2 L^2 d_attn per
 layer, backward twice that); peak is the dense bf16 matmul rate this benchmark measures at start on the same GPU
 (median of 20 products of 8192 x 8192 matrices). The compile column gives the graphs compiled and the frames
-compiled after the second minibatch (0: new lengths never recompiled).
+compiled after the second minibatch (0: new lengths never recompiled), marked ``*`` where frames were compiled
+during the timed minibatches (a code path first met there, e.g. unpacked rows' attention without a long document):
+that time includes compiling; ``--warmup 2`` leaves it out for every mode alike.
 
 The packed table on one GPU (ODC packed vs unpacked vs FSDP2 vs plain; cuDNN's sdpa as the "before" of the
 per-layer host time):
@@ -239,7 +241,7 @@ def run(mode: str, args, lengths: Path, out: Path, round_: int = 0) -> dict:
     cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={args.nproc}",
            str(root / ("examples/sft.py" if script == "sft" else "benchmarks/fsdp2_sft.py")),
            "--model", args.model, "--lengths-file", str(lengths), "--no-shuffle", "--balancer", balancer,
-           "--minibatch-size", "4", "--steps", str(args.steps + profile), "--warmup-steps", "1",
+           "--minibatch-size", "4", "--steps", str(args.steps + profile), "--warmup-steps", str(args.warmup),
            "--gradient-checkpointing", "--attn-implementation", attn, "--attention-kernel", kernel,
            "--metrics-json", str(metrics), "--cost", args.cost]
     if script == "plain":
@@ -273,7 +275,7 @@ def run(mode: str, args, lengths: Path, out: Path, round_: int = 0) -> dict:
     written = json.loads(metrics.read_text())
     result = written["summary"]
     result.update(mode=mode, wall_s=time.monotonic() - started, metrics_file=str(metrics))
-    result["model_tflops"] = model_tflops(written, args.flop_terms, 1, args.steps)
+    result["model_tflops"] = model_tflops(written, args.flop_terms, args.warmup, args.steps)
     if args.peak_tflops:
         result["mfu"] = result["model_tflops"] / (args.nproc * args.peak_tflops)
     if written.get("profile_rank0"):
@@ -326,6 +328,9 @@ def main():
                         "longtail-packed), besides FSDP2 and plain on the same rows")
     p.add_argument("--nproc", type=int, default=2)
     p.add_argument("--steps", type=int, default=5)
+    p.add_argument("--warmup", type=int, default=1,
+                   help="untimed minibatches at the start of every mode (more: a compiled mode's compiling of new "
+                        "code paths, e.g. unpacked rows' attention, stays out of the timed ones)")
     p.add_argument("--out", default="e2e_results")
     p.add_argument("--run-timeout", type=float, default=300)
     p.add_argument("--budget-s", type=float, default=1e9, help="skip the remaining modes after this many seconds")
@@ -348,6 +353,9 @@ def main():
     args = p.parse_args()
     if args.repeat < 1:
         raise SystemExit("--repeat must be at least 1")
+    if not 0 <= args.warmup < args.steps:
+        raise SystemExit(f"--warmup {args.warmup}: give 0 to {args.steps - 1} (--steps {args.steps} minibatches, at "
+                         "least one of them timed)")
     packed_table = args.workload == "longtail-packed"
     args.modes = args.modes or ",".join(PACKED_TABLE if packed_table else
                                         [m for m in MODES if m != "plain" or args.nproc == 1])
@@ -381,7 +389,7 @@ def main():
     results = {mode: median_run(rs) for mode, rs in runs.items()}
     ok = {m: r for m, r in results.items() if not r.get("failed")}
     references = [m for m in args.compare_to.split(",") if m in ok]
-    print(f"\n{args.model} / {args.workload} ({args.nproc} ranks; timed minibatches 2-{args.steps}; "
+    print(f"\n{args.model} / {args.workload} ({args.nproc} ranks; timed minibatches {args.warmup + 1}-{args.steps}; "
           "'same rows': packed with packed, unpacked with unpacked"
           + (f"; median of {args.repeat} rounds, ratios within a round" if args.repeat > 1 else "") + ")")
     eager_twins = {m: m.replace("/compiled+fused", "").replace("/compiled", "").replace("/fused", "")
@@ -397,14 +405,16 @@ def main():
             like += f"{ratio(runs, mode, twin):>21.2f}x" if twin else f"{'-':>22}"
         ratios = "".join(f"{ratio(runs, mode, m):>{max(12, len(m) + 5) - 1}.2f}x" for m in references)
         compiled = r.get("compile")
-        compiled = f"{compiled['graphs']}g/{compiled['compiled_after_step_2']}r" if compiled else "-"
+        compiled = (f"{compiled['graphs']}g/{compiled['compiled_after_step_2']}r"
+                    + ("*" if compiled.get("compiled_while_timed") else "")) if compiled else "-"
         eager = eager_twins[mode]
         vs_eager = f"{ratio(runs, mode, eager):>8.2f}x" if eager != mode and eager in ok else f"{'-':>9}"
         mfu = f"{r['mfu']:>7.1%}" if "mfu" in r else f"{'-':>7}"
         print(f"{mode:<34}{r['samples_per_s_per_device']:>14.3f}{r['tokens_per_s']:>11.0f}{r['model_tflops']:>8.0f}"
               f"{mfu}{r['bubble_rate']:>8.1%}{r['peak_mem_bytes'] / 2**30:>9.1f}{compiled:>10}{vs_eager}{like}{ratios}")
-    print("compile: graphs compiled / frames compiled after the second minibatch (recompiles); MFU: model FLOPs "
-          "(6 N L + 6 n_layers d_attn L^2 per document) over time x ranks x the measured peak")
+    print("compile: graphs compiled / frames compiled after the second minibatch (recompiles); *: frames compiled "
+          "during the timed minibatches, whose time then includes compiling (more --warmup leaves it out); MFU: "
+          "model FLOPs (6 N L + 6 n_layers d_attn L^2 per document) over time x ranks x the measured peak")
     if args.repeat > 1:
         print("samples/s of every round: " + "; ".join(
             f"{m} {' '.join(f'{x:.3f}' for x in r['runs_samples_per_s'])}" for m, r in ok.items()))

@@ -245,6 +245,9 @@ def run_worker(args) -> dict:
         def on_step_end(self, *a, **k):
             sync()
             self.steps.append({"step_s": time.perf_counter() - self.started, "rollout_s": clock["rollout"]})
+            if kernels != "eager":  # dynamo's frames compiled so far: those of a timed step count in its time
+                from ds_odc.training.compile import compile_counts
+                self.steps[-1]["frames_compiled"] = compile_counts().frames
 
     base = OdcGRPOTrainer if odc else GRPOTrainer
     cls = type(f"Timed{base.__name__}", (Timed, base), {})
@@ -274,6 +277,8 @@ def run_worker(args) -> dict:
     if kernels != "eager":
         from ds_odc.training.compile import compile_counts
         result["compile"] = compile_counts().as_dict()
+        before = timer.steps[args.warmup - 1]["frames_compiled"] if 0 < args.warmup < len(timer.steps) else 0
+        result["compile"]["compiled_while_timed"] = timer.steps[-1]["frames_compiled"] - before
     result["completion_tokens"] = sum(sum(completion_lengths(args, s)) for s in range(args.steps)) / args.steps
     if on_gpu:
         peak = torch.tensor([torch.cuda.max_memory_allocated() / 2**30], device="cuda")
@@ -346,6 +351,13 @@ def report(results: dict, args) -> str:
         lines.append(f"| {mode} | {r['training_s']:.2f} | {speed('training_s')} | {vs_plain}{vs_eager} | "
                      f"{r['step_s']:.2f} | {speed('step_s')} | {r['rollout_s']:.2f} | {peak} | {per_rank} |")
     lines.append("")
+    for mode, r in results.items():
+        if r.get("compile"):
+            c = r["compile"]
+            lines.append(f"{mode}: {c['graphs']} graphs, {c['frames']} frames compiled, "
+                         f"{c.get('compiled_while_timed', '?')} of them during the timed steps"
+                         + (" (their time includes compiling: more --warmup leaves it out)"
+                            if c.get("compiled_while_timed") else ""))
     lines.append("command: python benchmarks/grpo.py " + " ".join(_worker_args(args)[2:]))
     return "\n".join(lines) + "\n"
 

@@ -180,16 +180,18 @@ def test_packed_table_and_attention_benchmark_on_cpu(tmp_path):
 
 def test_e2e_rounds_and_another_checkout_on_cpu(tmp_path):
     """--repeat runs the modes in rounds and reports each mode's median run and the median in-round ratio; a mode
-    ending in @DIR runs from that checkout (here this one again), and a wrong @DIR fails before anything runs."""
+    ending in @DIR runs from that checkout (here this one again), and a wrong @DIR fails before anything runs;
+    --warmup sets the untimed minibatches of every mode (here none), and one that leaves none timed is refused."""
     out = tmp_path / "e2e"
     modes = f"odc+lb-mini,plain@{ROOT}"
     cmd = [sys.executable, str(ROOT / "benchmarks" / "e2e.py"), "--model", "tiny", "--workload", "longtail-packed",
            "--nproc", "1", "--scale", "0.01", "--steps", "2", "--modes", modes, "--repeat", "2", "--out", str(out),
-           "--run-timeout", "240"]
+           "--run-timeout", "240", "--warmup", "0"]
     proc = subprocess.run(cmd, env=cpu_env(), capture_output=True, text=True, timeout=800)
     assert proc.returncode == 0 and "FAILED" not in proc.stdout, proc.stdout[-3000:] + proc.stderr[-3000:]
     table = proc.stdout[proc.stdout.index("tiny / longtail-packed"):]
     assert "median of 2 rounds" in table and "samples/s of every round" in table, table
+    assert "timed minibatches 1-2" in table, table
     rate = {(m, r): json.loads((out / f"tiny-longtail-packed-{m}-round{r}.json").read_text())["summary"]
             ["samples_per_s"] for m in ("odc+lb-mini", f"plain-at-{ROOT.name}") for r in (1, 2)}
     expected = sum(rate["odc+lb-mini", r] / rate[f"plain-at-{ROOT.name}", r] for r in (1, 2)) / 2
@@ -199,3 +201,5 @@ def test_e2e_rounds_and_another_checkout_on_cpu(tmp_path):
     wrong = subprocess.run(cmd[:cmd.index("--modes") + 1] + [f"odc+lb-mini@{tmp_path}"], env=cpu_env(),
                            capture_output=True, text=True, timeout=120)
     assert wrong.returncode != 0 and "is not a checkout of this repository" in wrong.stderr, wrong.stderr[-2000:]
+    no_timed = subprocess.run(cmd[:-2] + ["--warmup", "2"], env=cpu_env(), capture_output=True, text=True, timeout=120)
+    assert no_timed.returncode != 0 and "--warmup 2: give 0 to 1" in no_timed.stderr, no_timed.stderr[-2000:]

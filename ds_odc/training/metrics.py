@@ -20,7 +20,8 @@ balancer's automatic cost fits (``BalancedBatchSampler.observe``).
 
 Where blocks are compiled (``ds_odc.training.compile``) each record carries dynamo's counters after its step (this
 rank's: graphs, compiled frames, graph breaks), and the summary says how many frames were compiled after the second
-minibatch (``compiled_after_step_2``: 0 when new lengths never recompile).
+minibatch (``compiled_after_step_2``: 0 when new lengths never recompile) and during the timed steps
+(``compiled_while_timed``: above 0, the throughput includes compiling; more warm-up steps leave it out).
 """
 
 from __future__ import annotations
@@ -152,7 +153,8 @@ def summarize(records: list[StepRecord], warmup_steps: int, world_size: int, unt
     """Throughput and bubble over the timed steps (after ``warmup_steps``, less the ``untimed`` step indices, e.g. a
     profiled one), weighting each step by its time."""
     skip = set(untimed)
-    timed = [r for i, r in enumerate(records) if i >= warmup_steps and i not in skip] or records
+    timed_at = [i for i in range(len(records)) if i >= warmup_steps and i not in skip] or list(range(len(records)))
+    timed = [records[i] for i in timed_at]
     total = sum(r.step_time_s for r in timed)
     samples_per_s = sum(r.samples_per_s * r.step_time_s for r in timed) / total
     return {
@@ -163,14 +165,20 @@ def summarize(records: list[StepRecord], warmup_steps: int, world_size: int, unt
         "time_s": total,
         "peak_mem_bytes": max(r.peak_mem_bytes for r in records),
         "final_loss": records[-1].loss,
-        **_compile_summary(records),
+        **_compile_summary(records, timed_at),
     }
 
 
-def _compile_summary(records: list[StepRecord]) -> dict:
-    """Graphs and frames compiled over the run, and frames compiled after its second minibatch (recompiles)."""
-    counted = [r.compiled for r in records if r.compiled]
-    if not counted:
+def _compile_summary(records: list[StepRecord], timed: list[int]) -> dict:
+    """Graphs and frames compiled over the run, frames compiled after its second minibatch (recompiles) and frames
+    compiled during its timed steps (``timed``: their indices)."""
+    if not any(r.compiled for r in records):
         return {}
-    second = next((r.compiled for r in records[1:2] if r.compiled), None) or {"frames": 0}
-    return {"compile": {**counted[-1], "compiled_after_step_2": counted[-1]["frames"] - second["frames"]}}
+
+    def frames_after(i: int) -> int:  # dynamo's counters after step i (none yet before the first step)
+        return next((r.compiled["frames"] for r in reversed(records[:i + 1]) if r.compiled), 0)
+
+    last = len(records) - 1
+    while_timed = sum(frames_after(i) - frames_after(i - 1) for i in timed)
+    return {"compile": {**records[last].compiled, "compiled_after_step_2": frames_after(last) - frames_after(1),
+                        "compiled_while_timed": while_timed}}
