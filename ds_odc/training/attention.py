@@ -245,7 +245,7 @@ def _bucketed_plan(lengths: tuple[int, ...], long_document: int, varlen_device: 
 
 
 def _bucketed(query, key, value, lengths, scaling, use_varlen: bool, long_document: int):
-    """Causal attention only: ``[1, H, T, D]`` in, ``[1, T, H, D]`` out."""
+    """Causal attention only: ``[1, H, T, D]`` in, ``[T, H, D]`` out."""
     plan = _bucketed_plan(tuple(lengths), long_document, query.device if use_varlen else None)
     gqa = query.shape[1] != key.shape[1]
     parts = []
@@ -255,12 +255,12 @@ def _bucketed(query, key, value, lengths, scaling, use_varlen: bool, long_docume
             pad = (0, 0, 0, seg.padded_to - (seg.end - seg.start))
             q, k, v = (F.pad(x, pad) if pad[3] else x.contiguous() for x in (q, k, v))
             out = F.scaled_dot_product_attention(q, k, v, is_causal=True, scale=scaling, enable_gqa=gqa)
-            parts.append(out[:, :, :seg.end - seg.start].transpose(1, 2))
+            parts.append(out[0, :, :seg.end - seg.start].transpose(0, 1))
         elif seg.cu_seqlens is not None:
-            parts.append(_varlen(q, k, v, seg.cu_seqlens, max(seg.lengths), scaling, True)[None])
+            parts.append(_varlen(q, k, v, seg.cu_seqlens, max(seg.lengths), scaling, True))
         else:
-            parts.append(_per_document_sdpa(q, k, v, list(seg.lengths), scaling, True).transpose(1, 2))
-    return parts[0] if len(parts) == 1 else torch.cat(parts, dim=1)
+            parts.append(_per_document_sdpa(q, k, v, list(seg.lengths), scaling, True)[0].transpose(0, 1))
+    return parts[0] if len(parts) == 1 else torch.cat(parts, dim=0)
 
 
 def _per_document_sdpa(query, key, value, lengths, scaling, causal):
@@ -302,7 +302,7 @@ def varlen_attention_forward(module: torch.nn.Module, query: torch.Tensor, key: 
                                      for x in (query, key, value))
             out = _varlen(query, key, value, cu_seqlens, kwargs["max_length_q"], scaling,
                           getattr(module, "is_causal", True))
-            return out.reshape(batch, tokens, heads, dim), None
+            return out.reshape(batch, tokens, heads, dim).contiguous(), None
         return _attention_outside_graph(module, query, key, value, attention_mask, dropout, scaling, sliding_window,
                                         softcap, **kwargs)
     return _attention(module, query, key, value, attention_mask, dropout, scaling, sliding_window, softcap, **kwargs)
@@ -340,12 +340,22 @@ def _attention(module, query, key, value, attention_mask, dropout=0.0, scaling=N
     if batch > 1:  # flatten the rows into one sequence of documents
         query, key, value = (x.transpose(0, 1).reshape(1, x.shape[1], batch * tokens, dim) for x in (query, key, value))
     if kernel == "varlen":
-        out = _varlen(query, key, value, bounds.cu_seqlens, bounds.max_length, scaling, causal)[None]  # [1, B*T, H, D]
+        out = _varlen(query, key, value, bounds.cu_seqlens, bounds.max_length, scaling, causal)  # [B*T, H, D]
     elif kernel == "bucketed":
         out = _bucketed(query, key, value, bounds.host_lengths(), scaling, varlen_runs, choice.long_document)
     else:
-        out = _per_document_sdpa(query, key, value, list(bounds.host_lengths()), scaling, causal).transpose(1, 2)
-    return out.reshape(batch, tokens, heads, dim), None
+        out = _per_document_sdpa(query, key, value, list(bounds.host_lengths()), scaling, causal)[0].transpose(0, 1)
+    return _one_layout(out).view(batch, tokens, heads, dim), None
+
+
+def _one_layout(out: torch.Tensor) -> torch.Tensor:
+    """``out`` (``[B*T, H, D]``) as a contiguous tensor of its own, whichever kernel made it: code compiled after the
+    attention's graph break guards on the strides of what crossed it, and on the tensor it is a view of, and would
+    compile again for every kernel's layout (a lone long document's padded call gives a strided view). Where a copy
+    is made here, the caller's reshape to ``[B, T, H * D]`` would have made it."""
+    if out.is_contiguous() and out._base is None:
+        return out
+    return out.clone(memory_format=torch.contiguous_format)
 
 
 # Under compilation: the whole eager attention as one opaque call (its host reads and per-document loops would
@@ -364,7 +374,7 @@ def bucket_lengths(longest: int, shortest: int = LONG_DOCUMENT) -> list[int]:
 
 
 def _attend_one_document(q, k, v, *, length, scaling, long_document):
-    return _bucketed(*(x.transpose(1, 2) for x in (q, k, v)), (length,), scaling, True, long_document)
+    return _bucketed(*(x.transpose(1, 2) for x in (q, k, v)), (length,), scaling, True, long_document)[None]
 
 
 def plan_buckets(model: torch.nn.Module, longest: int, device: torch.device, dtype: torch.dtype) -> tuple[int, float]:

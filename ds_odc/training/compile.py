@@ -13,7 +13,11 @@ model compiles its block once, not 28 times. Activation checkpointing (transform
 stays outside the compiled region as well: the recomputation calls the compiled forward again.
 
 Sequence length is dynamic (``dynamic=True``): a packed row of a new length reuses the graphs compiled for the first
-one. Python ints passed to the block (``max_length_q``) are dynamic as well.
+one. Python ints passed to the block (``max_length_q``) are dynamic as well. Three things would otherwise compile a
+block again mid-run, each for a new class of rows rather than a new length: inductor's mix-order reduction guards
+on the length (it runs non-strict here, see :func:`_mode_or_options`), code after a graph break guards on the
+layout of what crossed it (``ds_odc_varlen`` returns one layout), and dynamo ties the number of document
+boundaries to any size it happens to equal (the boundaries' length is left unbacked, see :func:`_boundaries_unbacked`).
 
 Packed attention (``ds_odc_varlen``) reads the documents' lengths on the host for its per-document kernels; under
 compilation it runs outside the graph (one graph break per attention call), except the pure ``varlen`` kernel with
@@ -151,14 +155,15 @@ class _BlockForward:
     def __init__(self, original, state: CompiledBlocks):
         self.original, self.state = original, state
         opts = state.options
-        self.compiled = torch.compile(original, backend=opts.backend, mode=opts.mode, dynamic=opts.dynamic,
-                                      fullgraph=opts.fullgraph)
+        self.compiled = torch.compile(original, backend=opts.backend, dynamic=opts.dynamic, fullgraph=opts.fullgraph,
+                                      **_mode_or_options(opts))
 
     def __call__(self, block, *args, **kwargs):
         if self.state.eager_reason is not None or any(kwargs.get(k) is not None for k in _CACHE_ARGUMENTS):
             return self.original(block, *args, **kwargs)
         for key in _LOSS_ONLY:  # see _LOSS_ONLY
             kwargs.pop(key, None)
+        _boundaries_unbacked(kwargs)
         try:
             return self.compiled(block, *args, **kwargs)
         except Exception as err:  # noqa: BLE001 - only compiler failures are caught; the rest is raised again
@@ -173,6 +178,35 @@ _CACHE_ARGUMENTS = ("past_key_values", "past_key_value", "cache", "layer_past") 
 # block never reads them, and a float (the global-mean divisor, new at every minibatch) would be a constant of the
 # compiled graph, compiled again for every value.
 _LOSS_ONLY = ("num_items_in_batch",)
+
+
+def _mode_or_options(opts: CompileOptions) -> dict[str, Any]:
+    """``torch.compile``'s ``mode``, or under inductor the same mode's settings plus one: mix-order reduction (the
+    fused reductions of RMSNorm's backward) non-strict, where this torch has the switch. Strict, its size checks
+    guard on the sequence length (at width 1536: under 3414 tokens, 3414-4095, 4096 and more), and a block met
+    with a length of another class compiles again, mid-run; non-strict skips only those size heuristics."""
+    if opts.backend != "inductor":
+        return {"mode": opts.mode}
+    import torch._inductor
+    import torch._inductor.config as inductor_config
+    if not hasattr(inductor_config.triton, "mix_order_reduction_non_strict_mode"):
+        return {"mode": opts.mode}
+    options = dict(torch._inductor.list_mode_options(opts.mode or "default", opts.dynamic))
+    options["triton.mix_order_reduction_non_strict_mode"] = True
+    return {"options": options}
+
+
+def _boundaries_unbacked(kwargs: dict) -> None:
+    """The documents' boundaries (``cu_seq_lens_q``/``_k``: one more entry than the row has documents) with a length
+    that no guard can tie to another size. dynamo gives equal sizes one symbol ("duck sizing"): a row of one document
+    has 2 boundaries, as many as a Qwen2 1.5B layer has key heads, and every row of more documents would compile the
+    attention call's frame again."""
+    from torch._dynamo import decorators
+    mark = getattr(decorators, "mark_unbacked", None)  # not exported by torch._dynamo itself (2.11-2.13)
+    for key in ("cu_seq_lens_q", "cu_seq_lens_k"):
+        found = kwargs.get(key)
+        if mark is not None and isinstance(found, torch.Tensor) and found.dim() == 1:
+            mark(found, 0)
 
 
 def _compiled_class(cls: type, forward: _BlockForward) -> type:

@@ -281,3 +281,19 @@ def test_planning_buckets_is_a_no_op_without_the_bucketed_kernel():
     assert attention.plan_buckets(model, 65536, torch.device("cpu"), torch.float32) == (0, 0.0)
     assert attention.bucket_lengths(65536)[0] == attention.LONG_DOCUMENT and len(attention.bucket_lengths(65536)) == 29
     assert attention.bucket_lengths(100, shortest=1) == sorted({attention.bucket_length(n) for n in range(1, 101)})
+
+
+@pytest.mark.parametrize("choice", ["sdpa", "bucketed"])
+@pytest.mark.parametrize("lengths", [[37], [7, 1, 12], [37, 3]])
+def test_every_kernel_returns_one_layout(choice, lengths):
+    """The output is a contiguous ``[B, T, H, D]`` view of a contiguous ``[B * T, H, D]`` tensor of its own, whichever
+    path computed it (a lone long document's padded call gives a strided view, varlen a tensor of its own): code
+    compiled after the attention's graph break guards on these strides and on the tensor viewed."""
+    layer = torch.nn.Module()
+    attention.use_kernel(layer, choice, long_document=5)
+    tokens = sum(lengths)
+    q, k, v = (torch.randn(1, heads, tokens, 8) for heads in (4, 2, 2))
+    position_ids = torch.cat([torch.arange(n) for n in lengths])[None]
+    out, _ = attention.varlen_attention_forward(layer, q, k, v, None, position_ids=position_ids)
+    assert out.shape == (1, tokens, 4, 8) and out.is_contiguous(), (out.shape, out.stride())
+    assert out._base is not None and out._base.shape == (tokens, 4, 8) and out._base._base is None

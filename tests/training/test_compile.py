@@ -83,6 +83,20 @@ def test_compiled_blocks_equal_eager_and_do_not_compile_again():
     assert first.graph_breaks > 0
 
 
+def test_rows_of_one_document_and_of_several_share_the_graphs():
+    """A row of one document first (2 boundaries, as many as the model's key heads; its attention output a view of
+    the kernel's), then rows of several and of one again: nothing compiles after the first row."""
+    torch._dynamo.reset()
+    model = tiny()
+    compile_blocks(model, AOT)
+    g, collate, frames = torch.Generator().manual_seed(0), PackedCollator(), []
+    for lengths in ([40], [10, 7], [25], [9, 3, 14], [33]):
+        row = collate([{"input_ids": torch.randint(0, 128, (n,), generator=g)} for n in lengths])
+        model(**row).loss.backward()
+        frames.append(compile_counts().frames)
+    assert frames[0] > 0 and frames[-1] == frames[0], frames
+
+
 def test_every_layer_shares_one_compiled_block():
     """A 3-layer model compiles exactly what a 1-layer model compiles: no per-layer recompilation (which the cache
     limit of 8 would turn into eager layers on a 28-layer model)."""
