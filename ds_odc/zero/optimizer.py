@@ -39,6 +39,7 @@ from deepspeed.accelerator import get_accelerator
 from deepspeed.runtime.zero.offload_config import OffloadDeviceEnum, OffloadStateTypeEnum
 from deepspeed.runtime.zero.partition_parameters import ZeroParamStatus
 from deepspeed.runtime.zero.stage3 import DeepSpeedZeroOptimizer_Stage3
+from deepspeed.runtime.zero.utils import get_norm_dtype
 from deepspeed.utils import logger
 
 from ds_odc.config import odc_config_from_ds_config
@@ -152,7 +153,8 @@ class OdcOptimizer(privates.Stage3Seams, DeepSpeedZeroOptimizer_Stage3):
         """Each group's gradient norm, as stock's step takes them (``_get_norm_groups``), or None to leave it to
         stock. Stock takes one norm per parameter (several tensor ops each, hundreds per step) over views of what under
         ODC is one flat fp32 accumulator, where each group's gradients are one contiguous range; so one norm per group,
-        summed over the same process group, with stock's -1 for a non-finite norm."""
+        summed over the same process group, with stock's -1 for a non-finite norm. The squares add up in stock's norm
+        dtype (float64 where the device has it; :func:`sum_of_squares`), so the norm rounds as stock's does."""
         flats = [self.odc.accumulated(group) if all(p.requires_grad for p in group) else None
                  for group in self.fp16_groups]
         if any(flat is None for flat in flats) and self.host_step is None:
@@ -163,12 +165,12 @@ class OdcOptimizer(privates.Stage3Seams, DeepSpeedZeroOptimizer_Stage3):
         norms = []
         for group, flat in zip(self.fp16_groups, flats):
             if flat is not None:
-                total = torch.linalg.vector_norm(flat, 2, dtype=torch.float32).square().reshape(1)
+                total = sum_of_squares(flat).reshape(1)
             else:
-                total = torch.zeros(1, dtype=torch.float32, device=self.odc.accumulator.local.device)
+                total = torch.zeros(1, dtype=get_norm_dtype(), device=self.odc.accumulator.local.device)
                 for param in group:
                     if param.requires_grad:
-                        total += torch.linalg.vector_norm(views[param.ds_id], 2, dtype=torch.float32).square()
+                        total += sum_of_squares(views[param.ds_id])
             dist.all_reduce(total, op=dist.ReduceOp.SUM, group=self._get_param_partition_group(group[0]))
             norm = total.sqrt().squeeze(0)
             norm = torch.where(norm.isfinite(), norm, torch.full_like(norm, -1.0))
@@ -365,3 +367,17 @@ class _SettlingDict(dict):
     def values(self):
         self._settle("reading optimizer.averaged_gradients")
         return super().values()
+
+
+_ROW = 256  # elements whose squares add up in fp32 before the sum goes on in the norm dtype
+
+
+def sum_of_squares(grad: torch.Tensor) -> torch.Tensor:
+    """``sum(grad ** 2)`` as a 0-dim tensor of stock ZeRO-3's norm dtype (``get_norm_dtype()``: float64 where the
+    device has it), without a full-size copy in that dtype: fp32 sums over rows of 256 elements (a few roundings
+    each), then the rows' sums in the norm dtype. An fp32 sum over a whole accumulator rounds once per element on a
+    CPU's vector lanes: hundreds of ulps on a large one, and more on one CPU's kernels than on another's."""
+    dtype, flat = get_norm_dtype(), grad.reshape(-1)
+    whole = flat.numel() - flat.numel() % _ROW
+    rows = torch.linalg.vector_norm(flat[:whole].view(-1, _ROW), 2, dim=1, dtype=torch.float32)
+    return rows.to(dtype).square().sum() + flat[whole:].to(dtype).square().sum()
