@@ -157,13 +157,15 @@ class _BlockForward:
         opts = state.options
         self.compiled = torch.compile(original, backend=opts.backend, dynamic=opts.dynamic, fullgraph=opts.fullgraph,
                                       **_mode_or_options(opts))
+        from torch._dynamo import decorators
+        self.mark_unbacked = getattr(decorators, "mark_unbacked", None)  # not exported by torch._dynamo (2.11-2.13)
 
     def __call__(self, block, *args, **kwargs):
         if self.state.eager_reason is not None or any(kwargs.get(k) is not None for k in _CACHE_ARGUMENTS):
             return self.original(block, *args, **kwargs)
         for key in _LOSS_ONLY:  # see _LOSS_ONLY
             kwargs.pop(key, None)
-        _boundaries_unbacked(kwargs)
+        _boundaries_unbacked(kwargs, self.mark_unbacked)
         try:
             return self.compiled(block, *args, **kwargs)
         except Exception as err:  # noqa: BLE001 - only compiler failures are caught; the rest is raised again
@@ -196,13 +198,11 @@ def _mode_or_options(opts: CompileOptions) -> dict[str, Any]:
     return {"options": options}
 
 
-def _boundaries_unbacked(kwargs: dict) -> None:
+def _boundaries_unbacked(kwargs: dict, mark) -> None:
     """The documents' boundaries (``cu_seq_lens_q``/``_k``: one more entry than the row has documents) with a length
     that no guard can tie to another size. dynamo gives equal sizes one symbol ("duck sizing"): a row of one document
     has 2 boundaries, as many as a Qwen2 1.5B layer has key heads, and every row of more documents would compile the
     attention call's frame again."""
-    from torch._dynamo import decorators
-    mark = getattr(decorators, "mark_unbacked", None)  # not exported by torch._dynamo itself (2.11-2.13)
     for key in ("cu_seq_lens_q", "cu_seq_lens_k"):
         found = kwargs.get(key)
         if mark is not None and isinstance(found, torch.Tensor) and found.dim() == 1:
