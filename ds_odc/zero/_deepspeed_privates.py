@@ -25,7 +25,8 @@ __all__ = ["SUPPORTED", "check_deepspeed", "skip_cpu_shm_op_build", "install_con
            "list_module_parameters_once", "accumulation_of", "use_coordinator_class", "grad_partition_map",
            "bind_param_methods", "forget_backward_functions", "zero3_hooks_detached", "no_rank_consistency_asserts",
            "no_persistent_refresh", "fetch_stream", "count_available", "has_fetches_in_flight", "release_function",
-           "gradients_kept_on_device", "time_stock_host_step", "CoordinatorSeams", "Stage3Seams"]
+           "gradients_kept_on_device", "time_stock_host_step", "reads_gradients", "GRADIENT_STATE_WITHOUT_GATE", "CoordinatorSeams",
+           "Stage3Seams"]
 
 SUPPORTED = ">=0.19.8,<0.20"
 _MIN, _MAX = Version("0.19.8"), Version("0.20")
@@ -60,6 +61,11 @@ def check_deepspeed() -> None:
             (Stage3, "update_fp32_grad_for_param_vectorized"),
             (Stage3, "_partition_all_parameters"),
             (Stage3, "_get_norm_groups"),
+            (Stage3, "has_overflow"),
+            (Stage3, "has_overflow_partitioned_grads_serial"),
+            (Stage3, "get_fp32_grad_partitions"),
+            (Stage3, "set_fp32_grad_for_param"),
+            (Stage3, "set_local_grad_for_param"),
             (Stage3, "_get_param_partition_group"),
             (Stage3, "_prepare_sub_group"),
             (Stage3, "_reassign_or_swap_out_partitioned_parameters"),
@@ -401,6 +407,67 @@ def release_function(coordinator):
     return getattr(coordinator, COORDINATOR_RELEASE)
 
 
+# -- the gradient-read gate -----------------------------------------------------------------------------------------
+# [Note: gradient reads]
+# Stock ZeRO-3 reduce-scatters each bucket during backward, so right after backward every rank's gradient partitions
+# are complete, and anything may read them: the norm (``_get_norm_groups``), the overflow check, ``safe_get_*_grad``,
+# ``get_fp32_grad_partitions``. Under ODC they are complete only once every rank's pushes landed, at the step's
+# fence. Every stage-3 member that reads or writes the gradient partitions from outside the step therefore goes
+# through one gate, ``OdcState.settle`` (a meeting on every rank, once per minibatch; nothing when the step is on or
+# nothing was pushed): :func:`reads_gradients` marks the overrides that do, and :data:`GRADIENT_STATE_WITHOUT_GATE`
+# says, member by member, why the others need none. tests/zero/test_gradient_reads.py lists every member of
+# DeepSpeed's stage-3 optimizer that touches gradient state and fails on one that is in neither.
+
+
+def reads_gradients(why: str):
+    """Mark an override of a stage-3 member that reads or writes gradient partitions: it settles this minibatch's
+    pushes first (``why`` names the read in the error raised when a rank cannot take part)."""
+    def decorate(method):
+        @functools.wraps(method)
+        def gated(self, *args, **kwargs):
+            self.odc.settle(why)
+            return method(self, *args, **kwargs)
+
+        gated.gradient_read = why
+        return gated
+
+    return decorate
+
+
+# Stage-3 members that touch gradient state but need no gate, and why (see [Note: gradient reads]).
+GRADIENT_STATE_WITHOUT_GATE = {
+    # construction, teardown and whole-buffer moves
+    "__init__": "construction: nothing pushed yet",
+    "_setup_for_real_optimizer": "construction: builds the buffer ODC re-homes",
+    "initialize_optimizer_states": "construction",
+    "_unpin_offload_buffers": "teardown (destroy)",
+    "offload_states": "overridden by OdcOptimizer.offload_states, which settles before moving the accumulator",
+    "reload_states": "overridden by OdcOptimizer.reload_states (after offload_states settled)",
+    # the backward path, which writes the partitions: ODC pushes instead (never a meeting inside backward)
+    "independent_gradient_partition_epilogue": "backward's end: lists the partitions in averaged_gradients, whose "
+                                               "reads settle (OdcOptimizer.settled_on_read)",
+    "partition_grads": "backward: overridden (the pushes replace it)",
+    "_offload_grad_partition_at_boundary": "backward with offload_optimizer: ODC keeps gradients on the device "
+                                           "(gradients_kept_on_device), so this is never reached",
+    "_finalize_offload_gradient_accumulation": "as _offload_grad_partition_at_boundary",
+    "set_norm_for_param_grad_in_gpu": "as _offload_grad_partition_at_boundary",
+    "reset_cpu_buffers": "the step's start (after the fence)",
+    "complete_grad_norm_calculation_for_cpu_offload": "only called by _get_norm_groups, which is gated and does "
+                                                      "not call it under ODC",
+    # the optimizer step, after its fence (settle is a no-op there)
+    "step": "the step: its fence lands every push first",
+    "_prepare_fp32_grad_for_sub_group": "inside the step",
+    "unscale_and_clip_grads": "inside the step",
+    "_release_sub_group": "inside the step",
+    "_optimizer_states_and_gradient_swap_out": "inside the step (NVMe swapping, which ODC rejects)",
+    "_release_swap_buffers": "inside the step or a gated accessor (NVMe swapping, which ODC rejects)",
+    "_writeback_swap_state": "inside the step or a gated accessor (NVMe swapping, which ODC rejects)",
+    "_overflow_clean_up": "inside the step",
+    "_apply_muon_to_accumulated_grads": "inside the step (Muon, which ODC rejects)",
+    "_apply_muon_updates_cpu_offload": "inside the step (Muon, which ODC rejects)",
+}
+
+
 # -- overrides: each forwards to a named method (see the module docstring) -------------------------------------------
 class CoordinatorSeams:
     """The private ``PartitionedParameterCoordinator`` members ODC overrides (on ``OdcParamCoordinator``)."""
@@ -446,10 +513,27 @@ class Stage3Seams:
         if not self.release_gathered_parameters():
             super()._partition_all_parameters()
 
+    @reads_gradients("the gradient norm (optimizer._get_norm_groups)")
     def _get_norm_groups(self):
         # Why: stock takes one norm per parameter over views of what under ODC is one flat fp32 accumulator.
         norms = self.gradient_norms()
         return super()._get_norm_groups() if norms is None else norms
+
+    @reads_gradients("the overflow check (optimizer.has_overflow)")
+    def has_overflow(self, partition_gradients=True):
+        # Why: it reads the whole flat accumulator (grad_partitions_flat_buffer).
+        return super().has_overflow(partition_gradients)
+
+    @reads_gradients("the overflow check (optimizer.has_overflow_partitioned_grads_serial)")
+    def has_overflow_partitioned_grads_serial(self):
+        # Why: it reads averaged_gradients (settled there too; gated here so its first read is complete).
+        return super().has_overflow_partitioned_grads_serial()
+
+    @reads_gradients("reading the gradient partitions (optimizer.get_fp32_grad_partitions)")
+    def get_fp32_grad_partitions(self):
+        # Why: it reads averaged_gradients (and see gradients_kept_on_device).
+        with gradients_kept_on_device(self):
+            return super().get_fp32_grad_partitions()
 
     def _post_step(self, timer_names):
         # Why: see no_persistent_refresh.
@@ -466,17 +550,27 @@ class Stage3Seams:
     def averaged_gradients(self, value):
         self.__dict__["_odc_averaged_gradients"] = self.settled_on_read(value)
 
+    @reads_gradients("reading or writing a gradient (safe_get_*_grad / safe_set_*_grad)")
     def _get_fp32_grad_state_partition(self, param, release_swap_buffers):
         # Why: every safe_get/set_*_grad goes through here; the gradient must be complete before it is read or
         # replaced, or the fence would add the pending pushes on top of a written value (and see
         # gradients_kept_on_device).
-        self.odc.settle("reading or writing a gradient (safe_get_*_grad / safe_set_*_grad)")
         with gradients_kept_on_device(self):
             return super()._get_fp32_grad_state_partition(param, release_swap_buffers)
 
+    @reads_gradients("writing a gradient (safe_set_full_grad)")
+    def set_fp32_grad_for_param(self, value, param):
+        # Why: it writes a gradient partition (through _get_fp32_grad_state_partition, gated too).
+        return super().set_fp32_grad_for_param(value, param)
+
+    @reads_gradients("writing a gradient (safe_set_local_grad)")
+    def set_local_grad_for_param(self, value, param):
+        # Why: it writes a gradient partition (through _get_fp32_grad_state_partition, gated too).
+        return super().set_local_grad_for_param(value, param)
+
+    @reads_gradients("updating gradients (safe_update_full_grad_vectorized)")
     def update_fp32_grad_for_param_vectorized(self, update_func, param_list):
         # Why: as _get_fp32_grad_state_partition, for the vectorised update (it reads the partitions directly).
-        self.odc.settle("updating gradients (safe_update_full_grad_vectorized)")
         with gradients_kept_on_device(self):
             return super().update_fp32_grad_for_param_vectorized(update_func, param_list)
 

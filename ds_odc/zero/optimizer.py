@@ -239,10 +239,6 @@ class OdcOptimizer(privates.Stage3Seams, DeepSpeedZeroOptimizer_Stage3):
         return _SettlingDict(gradients, self.odc.settle)
 
     # -- gradients and shards touched outside the step -----------------------------------------------------------------
-    def get_fp32_grad_partitions(self):
-        with privates.gradients_kept_on_device(self):  # under offload_optimizer too (see there)
-            return super().get_fp32_grad_partitions()
-
     def zero_grad(self, set_to_none=True):
         # Before the step this drops the minibatch's gradients so far, as stock does: on every rank, together.
         self.odc.discard("optimizer.zero_grad() before the step")
