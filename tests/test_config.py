@@ -39,6 +39,16 @@ def test_odc_defaults_to_plain_linear_and_block_fetch_unless_told_otherwise():
     assert chosen.memory_efficient_linear is True and chosen.odc.fetch_unit == "module"
 
 
+def test_lockstep_is_off_by_default_and_refused_with_hybrid_sharding():
+    assert get_zero_config({"zero_optimization": {"stage": 3, "odc": True}}).odc.lockstep is False
+    assert get_zero_config({"zero_optimization": {"stage": 3, "odc": {"lockstep": True}}}).odc.lockstep is True
+    with pytest.raises(pydantic.ValidationError) as err:
+        get_zero_config({"zero_optimization": {"stage": 3, "odc": {"lockstep": True, "shard_size": 2}}})
+    message = str(err.value)
+    assert "zero_optimization.odc\n" in message, message
+    assert "zero_optimization.odc.lockstep" in message and "zero_optimization.odc.shard_size" in message, message
+
+
 def test_other_zero_keys_still_strict():
     with pytest.raises(pydantic.ValidationError):
         get_zero_config({"zero_optimization": {"stage": 3, "odc": True, "no_such_key": 1}})

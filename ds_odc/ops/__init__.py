@@ -24,7 +24,7 @@ def make_transport(config, device: torch.device, process_group=None, control=Non
             raise ValueError(f"ds_odc: transport 'shm' works on CPU tensors only, but training runs on {device}. "
                              "Set zero_optimization.odc.transport to 'nvshmem' or 'auto'.")
         from ds_odc.ops.shm import ShmTransport
-        return ShmTransport(process_group, timeout_s, control=control)
+        return ShmTransport(process_group, timeout_s, control=control, lockstep=config.lockstep)
     if kind == "nvshmem":
         if device.type != "cuda":
             raise ValueError(f"ds_odc: transport 'nvshmem' needs CUDA tensors, but training runs on {device}. "

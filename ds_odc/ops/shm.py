@@ -25,6 +25,7 @@ from typing import Sequence
 import torch
 import torch.distributed as dist
 
+from ds_odc.ops.lockstep import HostLockstep
 from ds_odc.ops.meeting import Meeting
 from ds_odc.ops.transport import GatherPlan, OdcError, ScatterPlan, Segment, SymmetricBuffer, Transport, out_layout
 
@@ -72,10 +73,13 @@ class ShmTransport(Transport):
     name = "shm"
     can_evict = True
 
-    def __init__(self, process_group=None, timeout_s: float = 300.0, control=None):
-        """``control``: a gloo group over the ranks of ``process_group`` for meetings (default: made from it)."""
+    def __init__(self, process_group=None, timeout_s: float = 300.0, control=None, lockstep: bool = False):
+        """``control``: a gloo group over the ranks of ``process_group`` for meetings (default: made from it).
+        ``lockstep``: take part in lock-step meetings (``odc.lockstep``; :mod:`ds_odc.ops.lockstep`)."""
         self.meet = Meeting(process_group, timeout_s, control)
         super().__init__(self.meet.rank, self.meet.world_size, timeout_s)
+        self.lockstep = HostLockstep(self.meet) if lockstep else None
+        self.lockstep_tally = self.lockstep.tally if lockstep else None
         group = self.meet.group
         hosts = [None] * self.world_size
         dist.all_gather_object(hosts, socket.gethostname(), group=group)
@@ -185,7 +189,7 @@ class ShmTransport(Transport):
 
     def fence(self, accumulators: Sequence[ShmBuffer], what: str = "the fence at the optimizer step",
               note: str | None = None) -> dict[int, str | None] | None:
-        notes = self.meet(what, note=note)
+        notes = self.meet(what, note=note) if self.lockstep is None else self.lockstep.meeting(what, note)
         for acc in accumulators:
             slots = acc.slots[self.rank]
             for source in range(self.world_size):  # fixed order: bit-reproducible sums
@@ -194,7 +198,16 @@ class ShmTransport(Transport):
         return notes
 
     def barrier(self, what: str = "the barrier after the optimizer step") -> None:
-        self.meet(what)
+        if self.lockstep is None:
+            self.meet(what)
+        else:
+            self.lockstep.meeting(what)
+
+    def lockstep_barrier(self, what: str) -> None:
+        if self.lockstep is None:
+            super().lockstep_barrier(what)
+        elif self.world_size > 1:
+            self.lockstep(what)
 
     def leave(self, why: str) -> None:
         self.meet.leave(why)

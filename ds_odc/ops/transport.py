@@ -24,6 +24,8 @@ Semantics every implementation keeps:
   rank (see :class:`~ds_odc.ops.meeting.Meeting`), which it returns.
 * ``barrier`` is collective with the same timeout and naming; it publishes: whatever a rank wrote into its buffers
   before it arrived is what peers read after it returns.
+* ``lockstep_barrier`` (only with ``odc.lockstep``, a baseline for measuring) is collective and does nothing else:
+  every rank waits for every rank, as at a collective all-gather; see :mod:`ds_odc.ops.lockstep`.
 """
 
 from __future__ import annotations
@@ -95,6 +97,7 @@ class Transport(ABC):
 
     name: str = "abstract"
     can_evict: bool = False  # whether evict() gives symmetric memory back while the job runs
+    lockstep_tally = None  # with odc.lockstep: a LockstepTally (ds_odc.ops.lockstep) of the lock-step meetings so far
 
     def __init__(self, rank: int, world_size: int, timeout_s: float):
         self.rank = rank
@@ -138,6 +141,16 @@ class Transport(ABC):
     @abstractmethod
     def barrier(self, what: str = "the barrier after the optimizer step") -> None:
         """Collective arrival that publishes this rank's writes."""
+
+    def lockstep_barrier(self, what: str) -> None:
+        """A lock-step meeting (``odc.lockstep``): every rank waits here for every other, nothing moves; ``what``
+        names it in errors. Counted, with the time waited, in :attr:`lockstep_tally`. On CUDA it is ordered on the
+        current stream: the GPU waits, as an NCCL collective makes the stream wait, and the host does not block; a
+        rank that does not come within the timeout is named by the next ``fence`` or ``barrier``, which raises
+        :class:`FenceTimeout`. On CPU the host meets, and raises here, as ``fence`` does. A no-op at one rank.
+        Transports built without lockstep raise :class:`OdcError`."""
+        raise OdcError(f"ds_odc: the {self.name} transport was built without lock-step meetings "
+                       "(zero_optimization.odc.lockstep)")
 
     def zero_(self, accumulators: Sequence[SymmetricBuffer]) -> None:
         """Zero accumulators (and anything staged for them) between a ``fence`` and the following ``barrier``."""

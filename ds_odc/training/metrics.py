@@ -13,7 +13,10 @@ steps too, so the rate is time-weighted. ``examples/sft.py``, the FSDP2 baseline
 
 With ODC the only waiting is at the fence, so busy is exact. Under collectives (stock ZeRO-3, FSDP2) the waits hide
 inside every layer's all-gather and reduce-scatter and count as busy, so their bubble is a lower bound (the
-simulator's collective model gives the compute-only figure).
+simulator's collective model gives the compute-only figure). ODC's lock-step baseline (``odc.lockstep``) is in
+between: on CPU its per-layer meetings hold the host, which times them, and they count as waiting; on CUDA they
+wait on the device, as a collective does, and count as busy (``engine.optimizer.odc_lockstep`` has the device's
+time in them, which overlaps other streams' work).
 
 The same per-rank numbers (busy seconds, tokens, sum of squared document lengths, microbatches) are what the
 balancer's automatic cost fits (``BalancedBatchSampler.observe``).

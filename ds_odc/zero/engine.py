@@ -1,6 +1,7 @@
 """What code above ``ds_odc.zero`` (and a user's loop) may ask of a ``DeepSpeedEngine`` about ODC: functions that take
 the engine, stock engines included, so that nothing outside this package reaches into the optimizer's attributes.
 The optimizer's own public members are :attr:`~ds_odc.zero.optimizer.OdcOptimizer.odc_wait_s`,
+:attr:`~ds_odc.zero.optimizer.OdcOptimizer.odc_lockstep`,
 :attr:`~ds_odc.zero.optimizer.OdcOptimizer.odc_host_step_times` and
 :meth:`~ds_odc.zero.optimizer.OdcOptimizer.odc_resident`."""
 

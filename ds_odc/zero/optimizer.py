@@ -14,8 +14,8 @@ Per minibatch, on every rank, with any number of microbatches (0 included):
 DeepSpeed reaches this class through its private members; their overrides live in ``_deepspeed_privates``
 (:class:`~ds_odc.zero._deepspeed_privates.Stage3Seams`), each forwarding to a named method here, so the class reads
 whole in this file. What the layers above may use is :attr:`OdcOptimizer.odc_wait_s`,
-:attr:`OdcOptimizer.odc_host_step_times` and :meth:`OdcOptimizer.odc_resident` (and the functions of
-:mod:`ds_odc.zero.engine`); nothing else.
+:attr:`OdcOptimizer.odc_lockstep`, :attr:`OdcOptimizer.odc_host_step_times` and :meth:`OdcOptimizer.odc_resident`
+(and the functions of :mod:`ds_odc.zero.engine`); nothing else.
 
 With ``"offload_optimizer": {"device": "cpu"}`` the fp32 master weights and the optimizer state live on the host as
 under stock, while the accumulator stays on the device: the step copies each sub-group's gradient to the host and its
@@ -43,6 +43,7 @@ from deepspeed.runtime.zero.utils import get_norm_dtype
 from deepspeed.utils import logger
 
 from ds_odc.config import odc_config_from_ds_config
+from ds_odc.ops.lockstep import LockstepTally
 from ds_odc.ops.transport import OdcError
 from ds_odc.zero import _deepspeed_privates as privates
 from ds_odc.zero.coordinator import OdcParamCoordinator
@@ -100,8 +101,18 @@ class OdcOptimizer(privates.Stage3Seams, DeepSpeedZeroOptimizer_Stage3):
     # -- the public surface: what code outside ds_odc.zero may use ---------------------------------------------------
     @property
     def odc_wait_s(self) -> float:
-        """Seconds the last step waited for peers (fence + publish)."""
+        """Seconds the last step's host waited for peers: fence + publish, and with ``odc.lockstep`` on a host
+        transport (CPU) the lock-step meetings since the step before."""
         return self.odc.wait_s
+
+    @property
+    def odc_lockstep(self) -> LockstepTally | None:
+        """With ``odc.lockstep``: the lock-step meetings of the last step (since the step before) and the seconds
+        waited in them, the host's (counted in :attr:`odc_wait_s`) or, on CUDA (``on_device``), the device's time
+        inside the meetings' kernels, summed over the streams they ran on: a meeting on the prefetch stream can wait
+        while the block before computes, and one on the gradient stream at the same time, so this is more than the
+        time the device idled. None without lockstep."""
+        return self.odc.lockstep_step
 
     @property
     def odc_host_step_times(self) -> HostStepTimes | None:

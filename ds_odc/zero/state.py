@@ -24,8 +24,13 @@ With hybrid sharding (``odc.shard_size``, :mod:`ds_odc.zero.hybrid`) the transpo
 fence also meets the whole job and sums each accumulated shard over its replicas (:class:`~ds_odc.zero.hybrid.
 Replicas`), once per step; shards written outside the step are copied from the first shard group to the others.
 
+With ``odc.lockstep`` (a baseline for measuring) every rank also meets every other before each fetch's reads and
+after each push (:meth:`~ds_odc.ops.transport.Transport.lockstep_barrier`), as ZeRO-3's collectives make them wait;
+nothing else changes. :attr:`OdcState.lockstep_step` counts the last step's meetings and the time waited in them.
+
 In a torch profiler trace the four operations and the optimizer step are the ranges ``ds_odc::fetch``,
-``ds_odc::push``, ``ds_odc::fence``, ``ds_odc::publish`` and ``ds_odc::step``.
+``ds_odc::push``, ``ds_odc::fence``, ``ds_odc::publish`` and ``ds_odc::step`` (and the lock-step meetings
+``ds_odc::lockstep``).
 """
 
 from __future__ import annotations
@@ -43,6 +48,7 @@ from torch.profiler import record_function
 
 from ds_odc.config import OdcConfig
 from ds_odc.ops import make_transport
+from ds_odc.ops.lockstep import LockstepTally
 from ds_odc.ops.transport import GatherPlan, OdcError, ScatterPlan, Segment, SymmetricBuffer, Transport
 from ds_odc.zero.hybrid import HybridGroups, Replicas
 from ds_odc.zero.minibatch import MinibatchTag, check_same_minibatch
@@ -135,7 +141,10 @@ class OdcState:
         self.frozen: list[SymmetricBuffer] = []
         self.accumulator: SymmetricBuffer | None = None
         self.accumulation: Accumulation = lambda: ("implicit", True)
-        self.wait_s = 0.0  # time the last step waited for peers (fence + publish): metrics read it
+        self.wait_s = 0.0  # time the last step's host waited for peers (fence, publish, lock-step): metrics read it
+        self.lockstep = config.lockstep  # meet every rank at every fetch and push (a baseline for measuring)
+        self.lockstep_step: LockstepTally | None = None  # with lockstep: the last step's meetings and time waited
+        self._lockstep_before = LockstepTally()  # the transport's running tally at the last step
         self.phase = Phase.IDLE  # every step publishes exactly once, on every rank, which returns it to IDLE
         self.minibatch: MinibatchTag | None = None  # what the loop says the next step trains (None: untagged)
         self._fetch_plans: dict[tuple[int, ...], FetchPlan] = {}
@@ -246,6 +255,8 @@ class OdcState:
                 self._adopt_replaced_shards()
                 break
         if plan.reads:
+            if self.lockstep:
+                self._meet_lockstep("the lock-step meeting before a parameter fetch")
             outs = []
             for read in plan.reads:
                 out = torch.empty(read.out_numel, dtype=read.source.dtype, device=read.source.local.device)
@@ -303,8 +314,14 @@ class OdcState:
                                                                            [p.ds_numel for p in params])
             self.transport.scatter_accumulate(plan, [p.grad.reshape(-1) for p in params],
                                               scale=1.0 / self.average_over)
+        if self.lockstep:
+            self._meet_lockstep("the lock-step meeting after a gradient push")
         if self.phase is not Phase.STEPPING:
             self.phase = Phase.ACCUMULATING
+
+    def _meet_lockstep(self, what: str) -> None:
+        with profiled("ds_odc::lockstep"):
+            self.transport.lockstep_barrier(what)
 
     def declare_boundary(self) -> None:
         """This rank reached the end of its minibatch (possibly with no microbatch at all): from now on it takes part
@@ -356,6 +373,17 @@ class OdcState:
         notes = self.fence("the fence at the optimizer step", note=None if tag is None else tag.encode())
         if notes is not None:
             check_same_minibatch(notes, dist.get_rank())
+        if self.lockstep:
+            self._take_lockstep_step()
+
+    def _take_lockstep_step(self) -> None:
+        """This step's share of the transport's lock-step tally (up to date after the fence); the host's waiting in
+        those meetings counts in :attr:`wait_s` (the device's, on CUDA, overlaps its other streams: not counted)."""
+        now, before = self.transport.lockstep_tally, self._lockstep_before
+        self.lockstep_step = LockstepTally(now.meetings - before.meetings, now.wait_s - before.wait_s, now.on_device)
+        self._lockstep_before = LockstepTally(now.meetings, now.wait_s, now.on_device)
+        if not now.on_device:
+            self.wait_s += self.lockstep_step.wait_s
 
     # -- gradients and shards touched outside the step (stock semantics) ---------------------------------------------
     def settle(self, why: str) -> None:
