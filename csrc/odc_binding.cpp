@@ -27,6 +27,8 @@ int odc_quiet_on_stream(void* stream);
 int odc_scatter_add_p2p(const int64_t* host_tasks, int ntasks, int src_dtype, float scale, int mode, void* stream);
 int odc_scatter_add_rma(const int64_t* host_tasks, int ntasks, int src_dtype, float scale, float* scratch, int ctas,
                         void* stream);
+int odc_lockstep_barrier(const int64_t* peers, unsigned long long* counts, int world, int me, unsigned long long epoch,
+                         unsigned long long timeout_ns, unsigned long long* stats, void* stream);
 }
 
 namespace py = pybind11;
@@ -75,5 +77,12 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
                               int64_t stream) {
     check(odc_scatter_add_rma(host_array(tasks), ntasks, src_dtype, scale, static_cast<float*>(as_ptr(scratch)), ctas,
                               as_ptr(stream)));
+  });
+  // zero_optimization.odc.lockstep: peers and stats are device addresses, counts a symmetric one (see odc_kernels.cu)
+  m.def("lockstep_barrier", [](int64_t peers, int64_t counts, int world, int me, uint64_t epoch, uint64_t timeout_ns,
+                               int64_t stats, int64_t stream) {
+    check(odc_lockstep_barrier(static_cast<const int64_t*>(as_ptr(peers)),
+                               static_cast<unsigned long long*>(as_ptr(counts)), world, me, epoch, timeout_ns,
+                               static_cast<unsigned long long*>(as_ptr(stats)), as_ptr(stream)));
   });
 }

@@ -12,6 +12,10 @@
 //     the same bytes and no float atomics are needed on the network.
 // Both take a device array of Task records; blocks (or chunks) are assigned to tasks by a prefix sum computed on the
 // host, so one launch serves every parameter of a bucket.
+//
+// One kernel waits for peers: odc_lockstep_barrier, the lock-step meeting of zero_optimization.odc.lockstep (a
+// baseline for measuring, off by default). Its wait is bounded by a deadline on the device clock, so a peer that never
+// comes makes it return, marking the peer missing, instead of hanging the stream.
 
 #include <cuda_runtime.h>
 #include <cuda_bf16.h>
@@ -149,6 +153,49 @@ __global__ void __launch_bounds__(kRmaThreads) scatter_add_rma_kernel(const __gr
   }
 }
 
+// -- lock-step meetings -------------------------------------------------------------------------------------------
+
+constexpr int kLockstepThreads = 32;
+
+__device__ __forceinline__ unsigned long long device_clock_ns() {
+  unsigned long long t;
+  asm volatile("mov.u64 %0, %%globaltimer;" : "=l"(t));
+  return t;
+}
+
+// One CTA. `peers[p]`: rank p's copy of the symmetric counter array (a peer pointer; this rank's own for p == me);
+// `counts`: this rank's copy, where entry s counts the meetings rank s has reached. Thread t announces this rank's
+// arrival to ranks t, t + 32, ... (one system-scope increment of entry `me` of their copies), then waits until
+// entries t, t + 32, ... of its own copy reach `epoch`, or until `timeout_ns` has passed on the device clock. A rank
+// still missing then is marked in stats[2 + rank], and stats[1] is set: every later meeting returns at once (the host
+// raises at its next fence). stats[0] adds up the nanoseconds this kernel waited.
+__global__ void __launch_bounds__(kLockstepThreads) lockstep_barrier_kernel(
+    const int64_t* peers, unsigned long long* counts, int world, int me, unsigned long long epoch,
+    unsigned long long timeout_ns, unsigned long long* stats) {
+  const unsigned long long start = device_clock_ns();
+  const unsigned long long deadline = start + timeout_ns;
+  __threadfence_system();  // what this stream wrote before the meeting, before peers can see the arrival
+  for (int p = threadIdx.x; p < world; p += kLockstepThreads) {
+    atomicAdd_system(reinterpret_cast<unsigned long long*>(peers[p]) + me, 1ULL);
+  }
+  volatile unsigned long long* arrived = counts;
+  volatile unsigned long long* failed = stats + 1;
+  for (int q = threadIdx.x; q < world; q += kLockstepThreads) {
+    unsigned long long now = start;
+    while (now < deadline && arrived[q] < epoch && *failed == 0) {
+      __nanosleep(128);
+      now = device_clock_ns();
+    }
+    if (arrived[q] < epoch && now >= deadline) {
+      atomicExch(stats + 2 + q, 1ULL);
+      atomicExch(stats + 1, 1ULL);
+    }
+  }
+  __threadfence_system();  // what peers wrote before arriving, before this stream's next work reads it
+  __syncthreads();
+  if (threadIdx.x == 0) atomicAdd(stats, device_clock_ns() - start);
+}
+
 thread_local char g_error[512] = {0};
 
 int set_error(cudaError_t err, const char* where) {
@@ -284,6 +331,18 @@ int odc_scatter_add_rma(const int64_t* host_tasks, int ntasks, int src_dtype, fl
     if (int err = set_error(cudaGetLastError(), "odc_scatter_add_rma launch")) return err;
   }
   return 0;
+}
+
+// -- lock-step meetings ---------------------------------------------------------------------------------------------
+
+// `peers`: device array of `world` addresses (every rank's copy of the counter array); `counts`: this rank's copy;
+// `stats`: device array of 2 + world entries (see lockstep_barrier_kernel). Ordered on `stream`: the host does not
+// wait.
+int odc_lockstep_barrier(const int64_t* peers, unsigned long long* counts, int world, int me, unsigned long long epoch,
+                         unsigned long long timeout_ns, unsigned long long* stats, void* stream) {
+  lockstep_barrier_kernel<<<1, kLockstepThreads, 0, static_cast<cudaStream_t>(stream)>>>(peers, counts, world, me,
+                                                                                          epoch, timeout_ns, stats);
+  return set_error(cudaGetLastError(), "odc_lockstep_barrier launch");
 }
 
 }  // extern "C"

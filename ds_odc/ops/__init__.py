@@ -32,5 +32,6 @@ def make_transport(config, device: torch.device, process_group=None, control=Non
         from ds_odc.ops.nvshmem import NvshmemTransport
         return NvshmemTransport(process_group, timeout_s, force_remote_path=config.force_remote_path,
                                 scatter_method="staging" if config.deterministic else "atomic",
-                                bootstrap=config.bootstrap, control=control, job_control=job_control)
+                                bootstrap=config.bootstrap, control=control, job_control=job_control,
+                                lockstep=config.lockstep)
     raise ValueError(f"ds_odc: unknown transport {kind!r}; use 'auto', 'shm' or 'nvshmem'.")

@@ -17,6 +17,14 @@ Two paths, chosen once per transport:
 
 The fence: finish this rank's pushes (``quiet`` + device sync), meet everyone (``ds_odc.ops.meeting``: times out and
 names ranks that do not arrive), then drain staging slots where there are any.
+
+Lock-step meetings (``odc.lockstep``, a baseline for measuring; :mod:`ds_odc.ops.lockstep`): on the peer-pointer
+path, a one-CTA kernel on the current stream (``odc_lockstep_barrier``): it adds one to this rank's counter in every
+peer's copy of a small symmetric array, then waits until its own copy shows every rank's counter at this meeting's
+number, or until ``timeout_s`` has passed on the device clock; then it marks the ranks still missing in a small
+device array and returns, and the meetings after it do not wait. The next fence or barrier, after its device sync,
+reads that array and raises :class:`FenceTimeout` naming them. On the RMA path (no peer pointers) a lock-step meeting
+is a device sync and a host meeting instead: correct, but slower than any collective, so no baseline for speed.
 """
 
 from __future__ import annotations
@@ -28,10 +36,11 @@ import numpy as np
 import torch
 import torch.distributed as dist
 
+from ds_odc.ops.lockstep import HostLockstep, LockstepTally, fewer_microbatches
 from ds_odc.ops.meeting import Meeting
 from ds_odc.ops.nvshmem_runtime import ensure_runtime
-from ds_odc.ops.transport import (GatherPlan, OdcError, ScatterPlan, Segment, SymmetricBuffer, Transport,
-                                  out_layout)
+from ds_odc.ops.transport import (FenceTimeout, GatherPlan, OdcError, ScatterPlan, Segment, SymmetricBuffer,
+                                  Transport, out_layout)
 
 __all__ = ["NvshmemTransport"]
 
@@ -101,7 +110,8 @@ class NvshmemTransport(Transport):
     name = "nvshmem"
 
     def __init__(self, process_group=None, timeout_s: float = 300.0, force_remote_path: bool = False,
-                 scatter_method: str = "atomic", bootstrap: str = "auto", control=None, job_control=None):
+                 scatter_method: str = "atomic", bootstrap: str = "auto", control=None, job_control=None,
+                 lockstep: bool = False):
         """``scatter_method`` (peer-pointer path only): "atomic" (vector fp32 reductions), "atomic-scalar", or
         "staging" (deterministic: read-modify-write of per-source slots through peer views; the ``deterministic``
         config key). The RMA path always stages. ``bootstrap``: how NVSHMEM comes up (see nvshmem_runtime).
@@ -109,7 +119,8 @@ class NvshmemTransport(Transport):
         ``process_group`` may be part of the job (a shard group): reads and pushes then reach only its ranks, while
         NVSHMEM's own collective calls (bring-up, every allocation) still span every process, so every rank of the
         job allocates the same buffers in the same order, and what decides their sizes is agreed over
-        ``job_control`` (a gloo group over every rank; ``control``: one over ``process_group``'s ranks)."""
+        ``job_control`` (a gloo group over every rank; ``control``: one over ``process_group``'s ranks).
+        ``lockstep``: take part in lock-step meetings (``odc.lockstep``; see the module docstring)."""
         self.meet = Meeting(process_group, timeout_s, control)
         super().__init__(self.meet.rank, self.meet.world_size, timeout_s)
         if not torch.cuda.is_available():
@@ -137,6 +148,8 @@ class NvshmemTransport(Transport):
         self._scratch_done: torch.cuda.Event | None = None
         self._broken = False
         self.symmetric_bytes = 0  # everything this transport holds in the symmetric heap
+        self.lockstep_tally = LockstepTally() if lockstep else None
+        self._lockstep: _DeviceLockstep | HostLockstep | None = None  # chosen with the path, at the first allocation
 
     # -- bring-up and allocation --------------------------------------------------------------------------------------
     def _start(self, first_bytes: int) -> None:
@@ -151,6 +164,13 @@ class NvshmemTransport(Transport):
             dist.all_reduce(reachable, op=dist.ReduceOp.MIN, group=self.job)
             self.remote = not bool(reachable.item())
         self._rma_chunk = self.lib.rma_chunk_elems()
+        if self.lockstep_tally is not None:  # every rank allocates the same (allocations are collective)
+            if self.remote:
+                self._lockstep = HostLockstep(self.meet)
+                self.lockstep_tally = self._lockstep.tally
+            else:
+                self._lockstep = _DeviceLockstep(self)
+                self.lockstep_tally.on_device = True
 
     def _malloc(self, nbytes: int) -> int:
         # Agree that everyone can afford it before the collective malloc: a rank failing alone would hang the others.
@@ -305,13 +325,38 @@ class NvshmemTransport(Transport):
         if self.lib is not None and self.remote:
             self.lib.quiet_on_stream(torch.cuda.current_stream(self.device).cuda_stream)
         torch.cuda.synchronize(self.device)  # every stream: pushes issued on the reduce stream are covered too
+        if isinstance(self._lockstep, _DeviceLockstep):
+            try:
+                self._lockstep.check()  # a lock-step meeting that timed out since the last sync raises here
+            except BaseException:
+                self._broken = True
+                raise
 
     def _arrive(self, what: str, note: str | None = None) -> dict[int, str | None] | None:
         try:
+            if isinstance(self._lockstep, HostLockstep):  # see [Note: a lock-step meeting that meets the fence]
+                return self._lockstep.meeting(what, note)
             return self.meet(what, note=note)
-        except BaseException:
+        except FenceTimeout as err:
             self._broken = True  # peers may be gone: never enter another collective NVSHMEM call (it would hang)
+            if isinstance(self._lockstep, _DeviceLockstep):
+                self._lockstep.explain(err, what)
             raise
+        except BaseException:
+            self._broken = True
+            raise
+
+    def lockstep_barrier(self, what: str) -> None:
+        if self.lockstep_tally is None:
+            super().lockstep_barrier(what)
+        elif self.world_size > 1 and self._lockstep is not None:  # None: nothing allocated yet, nothing to meet over
+            if isinstance(self._lockstep, HostLockstep):
+                self._complete_local_work()
+            try:
+                self._lockstep(what)
+            except BaseException:
+                self._broken = True
+                raise
 
     def fence(self, accumulators: Sequence[NvshmemBuffer], what: str = "the fence at the optimizer step",
               note: str | None = None) -> dict[int, str | None] | None:
@@ -345,3 +390,63 @@ class NvshmemTransport(Transport):
         self._scratch = None
         self.symmetric_bytes = 0
         self.lib = None
+
+
+class _DeviceLockstep:
+    """Lock-step meetings on the peer-pointer path: the ``odc_lockstep_barrier`` kernel (see the module docstring).
+
+    ``counts`` is symmetric: entry ``s`` of rank ``r``'s copy counts the lock-step meetings that rank ``s`` has reached
+    (incremented by rank ``s``'s kernels through peer pointers); ``stats`` is this rank's alone: the nanoseconds its
+    kernels waited, whether one timed out, and per rank whether it was missing then."""
+
+    def __init__(self, transport: NvshmemTransport):
+        world = transport.world_size
+        self.transport = transport
+        self.tally = transport.lockstep_tally
+        self.counts = _Allocation(transport, max(world * 8, _MIN_ALLOC))
+        transport._allocations.append(self.counts)
+        # zeroed before the allocation's own sync and meeting (NvshmemTransport.allocate), so before any peer adds
+        self.local = _tensor_at(self.counts.ptr, world * 8, transport.device).view(torch.int64).zero_()
+        self.peers = torch.tensor(self.counts.peer, dtype=torch.int64, device=transport.device)
+        self.stats = torch.zeros(2 + world, dtype=torch.int64, device=transport.device)
+        self.timeout_ns = int(transport.timeout_s * 1e9)
+        self.reached = 0  # lock-step meetings this rank has launched
+
+    def __call__(self, what: str) -> None:
+        t = self.transport
+        self.reached += 1
+        self.tally.meetings += 1
+        t.lib.lockstep_barrier(self.peers.data_ptr(), self.counts.ptr, t.world_size, t.rank, self.reached,
+                               self.timeout_ns, self.stats.data_ptr(), torch.cuda.current_stream(t.device).cuda_stream)
+
+    def check(self) -> None:
+        """After a device sync: take the time waited, and raise :class:`FenceTimeout` if a meeting timed out."""
+        stats = self.stats.tolist()
+        self.tally.wait_s = stats[0] / 1e9
+        if not stats[1]:
+            return
+        ranks = self.transport.meet.job_ranks
+        missing = [ranks[q] for q in range(len(ranks)) if stats[2 + q]]
+        me = ranks[self.transport.rank]
+        raise FenceTimeout(
+            f"ds_odc: rank {me}: a lock-step meeting (zero_optimization.odc.lockstep) did not complete within "
+            f"{self.transport.timeout_s:g} s: {missing} did not arrive ({self._seen()}). With lockstep every rank "
+            "must run the same number of microbatches per optimizer step, as under stock ZeRO-3: a rank that ran "
+            "fewer, stopped or died does not come. Look at the logs of those ranks; if their microbatch is "
+            "legitimately longer, raise zero_optimization.odc.timeout_s.", missing)
+
+    def explain(self, err: FenceTimeout, what: str) -> None:
+        """A host meeting timed out: if peers have reached more lock-step meetings than this rank, this rank left its
+        minibatch early; say so, naming it (raises :class:`~ds_odc.ops.lockstep.LockstepMismatch`)."""
+        counts = self.local.tolist()
+        ahead = [self.transport.meet.job_ranks[q] for q, n in enumerate(counts) if n > self.reached]
+        if ahead:
+            me = self.transport.meet.job_ranks[self.transport.rank]
+            raise fewer_microbatches(me, what, [me], f"{ahead} had reached more lock-step meetings than this rank "
+                                                     f"({self._seen()})") from err
+
+    def _seen(self) -> str:
+        ranks = self.transport.meet.job_ranks
+        counts = self.local.tolist()
+        return "lock-step meetings reached, as seen here: " + ", ".join(
+            f"rank {ranks[q]}: {counts[q]}" for q in range(len(ranks))) + f"; this rank launched {self.reached}"

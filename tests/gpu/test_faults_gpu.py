@@ -6,7 +6,9 @@ started without an agent, so that nobody else tears the survivors down).
     python -m pytest tests/gpu/test_faults_gpu.py -q
 
 No ODC kernel waits for a peer: no signal, flag or barrier in device code, every loop bounded by the kernel's own task
-table, and the only waiting is the fence's, on the host, with a timeout (``test_no_kernel_waits_for_a_peer``). Between
+table, and the only waiting is the fence's, on the host, with a timeout (``test_no_kernel_waits_for_a_peer``). The
+one exception is the lock-step meeting of ``odc.lockstep`` (a baseline for measuring, off by default), whose wait ends
+at a deadline on the device clock. Between
 GPUs of one host a dead peer's memory stays mapped, so a push or read into it completes (the kill cases show it).
 Across nodes the remote path's get/put complete through the NIC transport, whose handling of a dead node is
 NVSHMEM's and is not exercised on one host.
@@ -84,16 +86,30 @@ def test_survivors_name_the_faulty_rank_and_exit_clean(nvshmem_op, nproc, fault)
                                    f"(exit {run.codes[r]})" for r in SURVIVORS))
 
 
+LOCKSTEP_KERNEL = "lockstep_barrier_kernel"  # odc.lockstep's meeting: it waits for peers, until a deadline
+
+
 def test_no_kernel_waits_for_a_peer():
     """A kernel that waits on a signal or flag a peer sets would hang forever when that peer dies (no timeout
     reaches inside a kernel). ODC's kernels never wait: no NVSHMEM wait, barrier or fence in device code, and every
-    loop runs over this rank's own task list."""
+    loop runs over this rank's own task list. The lock-step meeting (``odc.lockstep``) must wait, and does so only in
+    loops that end at a deadline taken from the device clock (``timeout_s`` after the kernel started)."""
     source = (REPO / "csrc" / "odc_kernels.cu").read_text()
-    device_code = "\n".join(re.findall(r"__global__[^{]*\{.*?\n\}", source, re.S) +
-                            re.findall(r"__device__[^{;]*\{.*?\n\}", source, re.S))
+    functions = (re.findall(r"__global__[^{]*\{.*?\n\}", source, re.S) +
+                 re.findall(r"__device__[^{;]*\{.*?\n\}", source, re.S))
+    lockstep = [f for f in functions if LOCKSTEP_KERNEL in f.split("{", 1)[0]]
+    assert len(lockstep) == 1, f"found {len(lockstep)} definitions of {LOCKSTEP_KERNEL}"
+    device_code = "\n".join(f for f in functions if f not in lockstep)
     assert device_code, "found no device code to check"
     waiting = re.findall(r"\b(nvshmem\w*(?:wait|barrier|fence|sync)\w*|__nanosleep|atomicCAS)\b", device_code)
     assert not waiting, f"device code waits on peers: {sorted(set(waiting))}"
     loops = re.findall(r"\b(while\s*\([^)]*\)|for\s*\([^;]*;[^;]*;[^)]*\))", device_code)
     unbounded = [loop for loop in loops if loop.startswith("while") and "lo < hi" not in loop]
     assert not unbounded, f"loops without a bound in device code: {unbounded}"
+    meeting = lockstep[0]
+    assert not re.findall(r"\bnvshmem\w*\(", meeting), "the lock-step meeting calls NVSHMEM's own waits"
+    assert re.search(r"deadline\s*=\s*start\s*\+\s*timeout_ns", meeting) and \
+        re.search(r"start\s*=\s*device_clock_ns\(\)", meeting), "the lock-step deadline is not on the device clock"
+    waits = re.findall(r"\bwhile\s*\(([^)]*)\)", meeting)
+    assert waits and all(w.strip().startswith("now < deadline") for w in waits), waits
+    assert not re.findall(r"\bfor\s*\(\s*;", meeting), "a for loop without a bound in the lock-step meeting"
