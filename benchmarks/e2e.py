@@ -67,6 +67,7 @@ before it, alternating in one call:
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import os
 import statistics
@@ -90,9 +91,14 @@ MODES = {
     "stock-blocks+lb-micro": ("sft", "zero3_bf16_blocks.json", "lb-micro"),
     "odc+lb-micro": ("sft", "zero3_odc_bf16.json", "lb-micro"),
     "odc+lb-mini": ("sft", "zero3_odc_bf16.json", "lb-mini"),
+    # ODC's transport with collective ZeRO-3's per-layer meetings put back (odc.lockstep): the collective baseline
+    # that runs where NCCL cannot (several ranks on partitions of one GPU); it needs equal counts per rank
+    "lockstep+lb-micro": ("sft", "zero3_odc_lockstep_bf16.json", "lb-micro"),
+    "lockstep+local-sort": ("sft", "zero3_odc_lockstep_bf16.json", "local-sort"),
     "fsdp2": ("fsdp2", None, "local-sort"),
     "plain": ("plain", None, "local-sort"),
 }
+PARTITION_TABLE = ["odc+lb-mini", "odc+lb-micro", "lockstep+lb-micro", "lockstep+local-sort"]
 PACKED_TABLE = ["odc+lb-mini", "fsdp2", "plain", "odc+lb-mini/unpacked", "fsdp2/unpacked", "plain/unpacked"]
 KERNELS_TABLE = ["odc+lb-mini", "fsdp2", "plain", "odc+lb-mini/compiled+fused", "fsdp2/compiled+fused",
                  "plain/compiled+fused"]
@@ -263,10 +269,11 @@ def run(mode: str, args, lengths: Path, out: Path, round_: int = 0) -> dict:
         cmd += ["--lora", str(args.lora)]
     log = out / f"{args.model}-{args.workload}-{slug}.log"
     started = time.monotonic()
+    partition_env = getattr(args, "partition_env", None) or {}
     # TMPDIR: torchrun's log folder goes into a temporary folder of this launch, removed afterwards
     with open(log, "w") as f, tempfile.TemporaryDirectory(prefix="ds_odc_e2e_") as scratch:
         proc = subprocess.run(cmd, stdout=f, stderr=subprocess.STDOUT, timeout=args.run_timeout,
-                              env=dict(os.environ, TMPDIR=scratch, PYTHONPATH=os.pathsep.join(
+                              env=dict(os.environ, **partition_env, TMPDIR=scratch, PYTHONPATH=os.pathsep.join(
                                   p for p in [str(root), os.environ.get("PYTHONPATH", "")] if p)))
     if proc.returncode != 0 or not metrics.exists():
         tail = log.read_text()[-2500:]
@@ -280,9 +287,10 @@ def run(mode: str, args, lengths: Path, out: Path, round_: int = 0) -> dict:
         result["mfu"] = result["model_tflops"] / (args.nproc * args.peak_tflops)
     if written.get("profile_rank0"):
         result["profile"] = written["profile_rank0"]
+    waited = f", lock-step waits {result['device_wait_rate']:.1%} on the device" if "device_wait_rate" in result else ""
     print(f"  {mode}{f' (round {round_ + 1})' if args.repeat > 1 else ''}: {result['samples_per_s']:.3f} samples/s, "
           f"{result['tokens_per_s']:.0f} tokens/s, {result['model_tflops']:.0f} model TFLOP/s, "
-          f"bubble {result['bubble_rate']:.1%} ({result['wall_s']:.0f}s wall)", flush=True)
+          f"bubble {result['bubble_rate']:.1%}{waited} ({result['wall_s']:.0f}s wall)", flush=True)
     return result
 
 
@@ -348,6 +356,9 @@ def main():
     p.add_argument("--lora", type=int, default=None, metavar="RANK",
                    help="every mode trains LoRA adapters of this rank (all linear layers but the LM head; the base "
                         "model frozen); the TFLOP/s and MFU columns still count a full fine-tune's FLOPs")
+    p.add_argument("--partition-gpu", action="store_true",
+                   help="run the --nproc ranks of every mode on SM partitions of GPU 0 (CUDA MPS, 100/nproc percent "
+                        "of the SMs each; ds_odc.training.partition): speed between ranks on a one-GPU machine")
     p.add_argument("--repeat", type=int, default=1,
                    help="run the modes this many times, in rounds; medians and in-round ratios in the table")
     args = p.parse_args()
@@ -357,11 +368,13 @@ def main():
         raise SystemExit(f"--warmup {args.warmup}: give 0 to {args.steps - 1} (--steps {args.steps} minibatches, at "
                          "least one of them timed)")
     packed_table = args.workload == "longtail-packed"
-    args.modes = args.modes or ",".join(PACKED_TABLE if packed_table else
-                                        [m for m in MODES if m != "plain" or args.nproc == 1])
+    args.modes = args.modes or ",".join(PARTITION_TABLE if args.partition_gpu else PACKED_TABLE if packed_table else
+                                        [m for m in MODES if m != "plain" and not m.startswith("lockstep")
+                                         or args.nproc == 1 and m == "plain"])
     if args.modes == "kernels":
         args.modes = ",".join(KERNELS_TABLE)
-    args.compare_to = args.compare_to if args.compare_to is not None else ("" if packed_table else "stock+lb-micro")
+    args.compare_to = args.compare_to if args.compare_to is not None else (
+        "lockstep+lb-micro,lockstep+local-sort" if args.partition_gpu else "" if packed_table else "stock+lb-micro")
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
     lengths = out / f"lengths-{args.workload}.txt"
@@ -378,6 +391,18 @@ def main():
     modes = args.modes.split(",")
     for mode in modes:
         checkout_of(mode)  # a wrong @DIR fails now, not after the other modes ran
+    with contextlib.ExitStack() as stack:
+        if args.partition_gpu:
+            from ds_odc.training.partition import gpu_partitions
+            args.partition_env = stack.enter_context(gpu_partitions(args.nproc))
+            print(f"# ranks on SM partitions of GPU 0: CUDA MPS, {args.partition_env['CUDA_MPS_ACTIVE_THREAD_PERCENTAGE']}% "
+                  "of the SMs each (memory bandwidth, L2 and power stay shared; see ds_odc.training.partition)",
+                  flush=True)
+        runs = run_modes(modes, args, lengths, out)
+    report(runs, args, out)
+
+
+def run_modes(modes: list[str], args, lengths: Path, out: Path) -> dict[str, list[dict]]:
     started, runs = time.monotonic(), {mode: [] for mode in modes}
     for round_ in range(args.repeat):
         for mode in modes:
@@ -386,6 +411,10 @@ def main():
                 runs[mode].append({"mode": mode, "failed": True})
                 continue
             runs[mode].append(run(mode, args, lengths, out, round_))
+    return runs
+
+
+def report(runs: dict[str, list[dict]], args, out: Path) -> None:
     results = {mode: median_run(rs) for mode, rs in runs.items()}
     ok = {m: r for m, r in results.items() if not r.get("failed")}
     references = [m for m in args.compare_to.split(",") if m in ok]
@@ -394,7 +423,8 @@ def main():
           + (f"; median of {args.repeat} rounds, ratios within a round" if args.repeat > 1 else "") + ")")
     eager_twins = {m: m.replace("/compiled+fused", "").replace("/compiled", "").replace("/fused", "")
                    for m in ok}  # a mode with other kernels -> the same mode eager
-    print(f"{'mode':<34}{'samples/s/dev':>14}{'tokens/s':>11}{'TFLOP/s':>8}{'MFU':>7}{'bubble':>8}{'peak GiB':>9}"
+    print(f"{'mode':<34}{'samples/s/dev':>14}{'tokens/s':>11}{'TFLOP/s':>8}{'MFU':>7}{'bubble':>8}{'dev wait':>9}"
+          f"{'peak GiB':>9}"
           f"{'compile':>10}{'vs eager':>9}"
           + "".join(f"{'vs ' + m + ' same rows':>22}" for m in LIKE_FOR_LIKE)
           + "".join(f"{'vs ' + m:>{max(12, len(m) + 5)}}" for m in references))
@@ -410,8 +440,12 @@ def main():
         eager = eager_twins[mode]
         vs_eager = f"{ratio(runs, mode, eager):>8.2f}x" if eager != mode and eager in ok else f"{'-':>9}"
         mfu = f"{r['mfu']:>7.1%}" if "mfu" in r else f"{'-':>7}"
+        dev_wait = f"{r['device_wait_rate']:>9.1%}" if "device_wait_rate" in r else f"{'-':>9}"
         print(f"{mode:<34}{r['samples_per_s_per_device']:>14.3f}{r['tokens_per_s']:>11.0f}{r['model_tflops']:>8.0f}"
-              f"{mfu}{r['bubble_rate']:>8.1%}{r['peak_mem_bytes'] / 2**30:>9.1f}{compiled:>10}{vs_eager}{like}{ratios}")
+              f"{mfu}{r['bubble_rate']:>8.1%}{dev_wait}{r['peak_mem_bytes'] / 2**30:>9.1f}{compiled:>10}{vs_eager}"
+              f"{like}{ratios}")
+    print("dev wait: lock-step modes on CUDA: the share of the ranks' time their per-layer meetings waited on the "
+          "device (counted as busy in the bubble, as a collective's wait is; summed over the streams they ran on)")
     print("compile: graphs compiled / frames compiled after the second minibatch (recompiles); *: frames compiled "
           "during the timed minibatches, whose time then includes compiling (more --warmup leaves it out); MFU: "
           "model FLOPs (6 N L + 6 n_layers d_attn L^2 per document) over time x ranks x the measured peak")

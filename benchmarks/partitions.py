@@ -58,6 +58,41 @@ def _timed(fn, seconds: float) -> tuple[float, int]:
     return (time.perf_counter() - started) / calls, calls
 
 
+class _Clocks:
+    """Samples the GPU's SM clock and power draw (nvidia-smi, every 0.25 s) while a phase runs: a partition alone may
+    run at a higher clock than with its neighbours busy (the power budget is the whole GPU's)."""
+
+    def __init__(self):
+        import threading
+        self.samples, self._stop = [], threading.Event()
+        self._thread = threading.Thread(target=self._run, daemon=True)
+
+    def _run(self):
+        while not self._stop.is_set():
+            try:
+                line = subprocess.run(["nvidia-smi", "--query-gpu=clocks.sm,power.draw", "--format=csv,noheader,nounits"],
+                                      capture_output=True, text=True, timeout=5).stdout.strip().splitlines()[0]
+                clock, power = (float(x) for x in line.split(","))
+                self.samples.append((clock, power))
+            except Exception:  # noqa: BLE001 - no nvidia-smi, or a value it could not read
+                pass
+            self._stop.wait(0.25)
+
+    def __enter__(self):
+        self._thread.start()
+        return self
+
+    def __exit__(self, *exc):
+        self._stop.set()
+        self._thread.join()
+
+    def summary(self) -> dict:
+        if not self.samples:
+            return {}
+        clocks, powers = sorted(c for c, _ in self.samples), sorted(p for _, p in self.samples)
+        return {"sm_mhz": clocks[len(clocks) // 2], "power_w": powers[len(powers) // 2]}
+
+
 def _worker(args) -> None:
     import torch
     import torch.distributed as dist
@@ -97,8 +132,11 @@ def _worker(args) -> None:
     def phase(name, fn, seconds, alone):
         dist.barrier()
         if not alone or rank == 0:
-            per_call, calls = _timed(fn, seconds)
+            with (_Clocks() if rank == 0 else contextlib.nullcontext()) as clocks:
+                per_call, calls = _timed(fn, seconds)
             out[name] = per_call
+            if clocks is not None:
+                out[name.replace("_s", "_clock")] = clocks.summary()
         dist.barrier()
 
     phase("matmul_alone_s", matmul, 1.5, alone=True)
@@ -260,6 +298,7 @@ def main() -> None:
     p.add_argument("--green-sms", type=int, default=0, help=argparse.SUPPRESS)
     p.add_argument("--train", action="store_true", help=argparse.SUPPRESS)
     p.add_argument("--nvshmem", action="store_true", help=argparse.SUPPRESS)
+    p.add_argument("--no-train", action="store_true", help="matrix products only (no training steps)")
     p.add_argument("--tokens", type=int, default=8192, help="tokens of the training row")
     p.add_argument("--counts", default="2,4", help="partition counts to try")
     p.add_argument("--skip", default="", help="comma-separated configurations to leave out (green, mps)")
@@ -277,7 +316,7 @@ def main() -> None:
     env_report = {"torch": torch.__version__, "gpu": torch.cuda.get_device_name(0), "sms": sms,
                   "mps_control": control, "green_contexts": hasattr(torch.cuda, "green_contexts")}
     print("environment:", json.dumps(env_report), flush=True)
-    train = ["--train", "--tokens", str(args.tokens)]
+    train = [] if args.no_train else ["--train", "--tokens", str(args.tokens)]
     results = [run_config("whole-gpu", 1, out, {}, train, args.timeout)]
     counts = [int(c) for c in args.counts.split(",")]
     skip = set(args.skip.split(","))
@@ -301,6 +340,11 @@ def main() -> None:
     for r in results:
         print(f"{r['name']}: rc={r['rc']} {r['seconds']:.0f} s" + (f"\n{r.get('log_tail', '')}" if r["rc"] else ""))
     print(table(results))
+    for r in results:  # rank 0's SM clock and the GPU's power in each phase
+        if r["ranks"]:
+            clocks = {k: v for k, v in r["ranks"][0].items() if k.endswith("_clock") and v}
+            print(f"{r['name']} clocks (rank 0's phases): " + "; ".join(
+                f"{k[:-6]} {v['sm_mhz']:.0f} MHz {v['power_w']:.0f} W" for k, v in clocks.items()))
 
 
 if __name__ == "__main__":

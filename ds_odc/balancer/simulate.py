@@ -114,9 +114,11 @@ class StepResult:
     internode: np.ndarray | None = None  # per rank, time spent moving data between nodes (in busy)
 
 
-def run_plan(name: str, plan: Plan, lengths: Sequence[int], machine: Machine) -> StepResult:
-    """Time ``plan`` on ``machine``."""
-    runtime = get_planner(name).runtime
+def run_plan(name: str, plan: Plan, lengths: Sequence[int], machine: Machine,
+             runtime: str | None = None) -> StepResult:
+    """Time ``plan`` on ``machine`` under ``runtime`` (default: the planner's; ``"odc"`` for a collective planner's
+    plan trained under ODC, ``"collective"`` for one trained with per-layer meetings)."""
+    runtime = runtime or get_planner(name).runtime
     per_mb, per_step = machine.communication(runtime)
     mbc = [[t + machine.overhead + per_mb for t in r] for r in plan.microbatch_costs(machine.cost, lengths)]
     tokens, sq_tokens = plan.rank_loads(lengths)  # a group member counts its share of a split sample
@@ -157,6 +159,7 @@ def simulate_step(
     plan_cost: "CostModel | dict[str, CostModel] | None" = None,
     split: SplitPolicy | None = None,
     internode: InterNode | None = None,
+    runtime: str | None = None,
 ) -> dict[str, StepResult]:
     """Plan one minibatch with each planner and time it under the planner's sync mode.
 
@@ -168,7 +171,7 @@ def simulate_step(
         known = plan_cost.get(name) if isinstance(plan_cost, dict) else plan_cost
         plan = plan_minibatch(lengths, ranks, planner=name, max_tokens=max_tokens, cost=known or machine.cost,
                               oversize=oversize, split=split)
-        out[name] = run_plan(name, plan, lengths, machine)
+        out[name] = run_plan(name, plan, lengths, machine, runtime)
     return out
 
 
@@ -314,7 +317,8 @@ def replay_run(metrics: dict, lengths: Sequence[int] | None = None, warmup_steps
     ``metrics``: a ``--metrics-json`` file of ``examples/sft.py`` or ``benchmarks/fsdp2_sft.py`` run with
     ``--no-shuffle`` (as ``benchmarks/e2e.py`` runs them); ``lengths``: its samples' lengths (default: its
     ``--lengths-file``). Each timed step is simulated on the run's own minibatch, planned by the run's planner, under
-    the planner's sync, with the cost fitted to the run's own timed rank-steps (:mod:`ds_odc.balancer.fit`; the cost
+    the run's sync (ODC's once per minibatch when ODC ran without ``lockstep``, else collective: every microbatch on
+    every rank at once), with the cost fitted to the run's own timed rank-steps (:mod:`ds_odc.balancer.fit`; the cost
     the run had fitted itself when there are too few rank-steps), its per-step term added to every step. Returns
     ``{"predicted_s", "measured_s", "ratio", "steps", "cost"}``, totals over the timed steps; ratio = predicted /
     measured. Raises ValueError when the run cannot be replayed."""
@@ -344,6 +348,7 @@ def replay_run(metrics: dict, lengths: Sequence[int] | None = None, warmup_steps
     pool = np.asarray(lengths, dtype=np.int64)
     cost = FittedCost(a=a, b=b, c=c)
     planner = config["balancer"]
+    runtime = None if "odc" not in config else "odc" if config["odc"] and not config.get("lockstep") else "collective"
     profiled = config.get("profile_step")
     predicted = measured = 0.0
     timed = [i for i in range(len(metrics["steps"])) if i >= warmup and i != profiled]
@@ -351,7 +356,8 @@ def replay_run(metrics: dict, lengths: Sequence[int] | None = None, warmup_steps
         minibatch = pool[i * per_step:(i + 1) * per_step]
         if len(minibatch) < per_step:
             raise ValueError(f"the lengths hold {len(pool)} samples; step {i} needs {(i + 1) * per_step}")
-        result = simulate_step(minibatch, ranks, config.get("max_tokens") or None, cost, [planner], "truncate")
+        result = simulate_step(minibatch, ranks, config.get("max_tokens") or None, cost, [planner], "truncate",
+                               runtime=runtime)
         predicted += result[planner].step_time + d
         measured += float(metrics["steps"][i]["step_time_s"])
     return {"predicted_s": predicted, "measured_s": measured, "ratio": predicted / measured if measured else math.nan,

@@ -31,7 +31,7 @@ from ds_odc.training.loss import global_mean_weight
 from ds_odc.training.metrics import StepClock, StepRecord, gather_step, summarize
 from ds_odc.training.profiling import decoder_layers, describe, profile_step
 from ds_odc.training.sequence_parallel import SequenceParallel
-from ds_odc.zero.engine import tag_minibatch
+from ds_odc.zero.engine import lockstep_waits, tag_minibatch
 
 __all__ = ["main", "train", "build_model", "engine_config", "draw_timeline"]
 
@@ -126,7 +126,9 @@ def train(args) -> dict | None:
         # 4. Measure: every rank's busy time and load, gathered once; the automatic cost refits from it.
         busy, step_time = clock.finish(getattr(engine.optimizer, "odc_wait_s", 0.0))
         tokens, sq_tokens = sampler.load(batch.microbatches, batch.splits)  # as the plan counts them
-        record = gather_step(loss_share, busy, step_time, k, tokens, batch.num_samples, sq_tokens=sq_tokens)
+        device_wait = lockstep_waits(engine) or 0.0  # odc.lockstep's meetings on CUDA: waits inside busy
+        record = gather_step(loss_share, busy, step_time, k, tokens, batch.num_samples, sq_tokens=sq_tokens,
+                             device_wait_s=device_wait)
         if step != args.profile_step:  # the profiler's own overhead is no cost of the plan
             update = sampler.observe(record)  # the same gathered record on every rank: the same refit
             record.cost = update.as_dict() if update else None
@@ -142,7 +144,8 @@ def train(args) -> dict | None:
     out = None
     if rank == 0:
         config = {k: v for k, v in vars(args).items() if k != "local_rank"}
-        config.update(world_size=world, odc=odc_on, device=str(device), deepspeed_version=deepspeed.__version__)
+        config.update(world_size=world, odc=odc_on, lockstep=lockstep_waits(engine) is not None, device=str(device),
+                      deepspeed_version=deepspeed.__version__)
         out = {"config": config, "data": sampler.data_report.as_dict(), "steps": [r.as_dict() for r in records],
                "summary": summarize(records, args.warmup_steps, world, untimed=[args.profile_step]),
                "split_samples_rank0": split_samples}

@@ -26,7 +26,8 @@ import sys
 import warnings
 from datetime import timedelta
 
-__all__ = ["SHARED_GPU_ENV", "init_distributed", "output_folder", "runs_on_cpu", "shared_gpu_mode", "shutdown",
+__all__ = ["SHARED_GPU_ENV", "init_distributed", "output_folder", "partitioned_gpu_mode", "runs_on_cpu",
+           "shared_gpu_mode", "shutdown",
            "shutdown_and_exit", "training_device"]
 
 DEFAULT_CPU_TIMEOUT_S = 300.0
@@ -48,8 +49,14 @@ def runs_on_cpu() -> bool:
 
 
 def shared_gpu_mode() -> bool:
-    """True when the ranks of this job share one GPU (``DS_ODC_SHARED_GPU=1``)."""
-    return os.environ.get(SHARED_GPU_ENV, "").strip().lower() in ("1", "true", "yes", "on")
+    """True when the ranks of this job share one GPU (``DS_ODC_SHARED_GPU=1``, or ``partition``: each rank on its
+    share of the SMs, :mod:`ds_odc.training.partition`)."""
+    return os.environ.get(SHARED_GPU_ENV, "").strip().lower() in ("1", "true", "yes", "on", "partition")
+
+
+def partitioned_gpu_mode() -> bool:
+    """True when the ranks of this job run on SM partitions of one GPU (``DS_ODC_SHARED_GPU=partition``)."""
+    return os.environ.get(SHARED_GPU_ENV, "").strip().lower() == "partition"
 
 
 def training_device():
@@ -70,9 +77,13 @@ def _share_one_gpu() -> None:
     if any(k in os.environ for k in _MPI_LAUNCH_ENV):
         raise RuntimeError("ds_odc: shared_gpu=True is not supported under mpirun: DeepSpeed takes each rank's GPU from "
                            "the MPI local rank there. Launch with torchrun or the deepspeed launcher.")
+    if partitioned_gpu_mode():
+        from ds_odc.training.partition import check_partition_env
+        check_partition_env()
     os.environ.setdefault(_LAUNCHER_LOCAL_RANK_ENV, os.environ.get("LOCAL_RANK", "0"))
     os.environ["LOCAL_RANK"] = "0"
-    os.environ[SHARED_GPU_ENV] = "1"  # for the rest of this process (ODC's checks, the report) and its children
+    if not partitioned_gpu_mode():
+        os.environ[SHARED_GPU_ENV] = "1"  # for the rest of this process (ODC's checks, the report) and its children
 
 
 def init_distributed(timeout_s: float | None = None, *, shared_gpu: bool | None = None) -> None:

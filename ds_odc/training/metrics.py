@@ -69,6 +69,7 @@ class RankStep:
     microbatches: int
     tokens: int
     sq_tokens: int = 0  # sum over this rank's documents of length^2 (attention's share of the cost)
+    device_wait_s: float = 0.0  # with odc.lockstep on CUDA: seconds its meetings waited on the device (in busy_s)
 
 
 @dataclass
@@ -104,11 +105,13 @@ class StepClock:
 
 
 def gather_step(loss_sum: float, busy_s: float, step_time_s: float, microbatches: int, tokens: int,
-                num_samples: int, group=None, sq_tokens: int = 0) -> StepRecord:
+                num_samples: int, group=None, sq_tokens: int = 0, device_wait_s: float = 0.0) -> StepRecord:
     """Collect every rank's numbers (one small collective) and derive the step's record. ``loss_sum`` is this
-    rank's share of the global mean loss (the shares add up to it). Every rank gets the same record."""
+    rank's share of the global mean loss (the shares add up to it). Every rank gets the same record.
+    ``device_wait_s``: waits that happened on the device inside ``busy_s`` (ODC's lock-step meetings on CUDA)."""
     import torch.distributed as dist
-    mine = [float(loss_sum), float(busy_s), float(step_time_s), float(microbatches), float(tokens), float(sq_tokens)]
+    mine = [float(loss_sum), float(busy_s), float(step_time_s), float(microbatches), float(tokens), float(sq_tokens),
+            float(device_wait_s)]
     world = dist.get_world_size(group) if dist.is_initialized() else 1
     rows = [mine] if world == 1 else [None] * world
     if world > 1:
@@ -117,7 +120,8 @@ def gather_step(loss_sum: float, busy_s: float, step_time_s: float, microbatches
 
 
 def record_from_rows(rows: Sequence[Sequence[float]], num_samples: int) -> StepRecord:
-    """The step's record from every rank's ``[loss share, busy, step time, microbatches, tokens, sq_tokens]``."""
+    """The step's record from every rank's ``[loss share, busy, step time, microbatches, tokens, sq_tokens]`` (and
+    optionally the device wait inside busy)."""
     world = len(rows)
     step_time = max(r[2] for r in rows)
     busy = [min(r[1], step_time) for r in rows]
@@ -130,7 +134,8 @@ def record_from_rows(rows: Sequence[Sequence[float]], num_samples: int) -> StepR
         step_time_s=step_time,
         peak_mem_bytes=peak_memory_bytes(),
         num_samples=int(num_samples),
-        per_rank=[RankStep(b, step_time - b, int(r[3]), int(r[4]), int(r[5])) for b, r in zip(busy, rows)],
+        per_rank=[RankStep(b, step_time - b, int(r[3]), int(r[4]), int(r[5]), float(r[6]) if len(r) > 6 else 0.0)
+                  for b, r in zip(busy, rows)],
         compiled=_compile_counts(),
     )
 
@@ -165,11 +170,20 @@ def summarize(records: list[StepRecord], warmup_steps: int, world_size: int, unt
         "samples_per_s_per_device": samples_per_s / world_size,
         "tokens_per_s": sum(r.tokens_per_s * r.step_time_s for r in timed) / total,
         "bubble_rate": bubble_rate(timed),
+        **_device_wait(timed, total),
         "time_s": total,
         "peak_mem_bytes": max(r.peak_mem_bytes for r in records),
         "final_loss": records[-1].loss,
         **_compile_summary(records, timed_at),
     }
+
+
+def _device_wait(timed: list[StepRecord], total: float) -> dict:
+    """With waits on the device (odc.lockstep on CUDA): their share of the ranks' time, beside the bubble."""
+    waited = sum(p.device_wait_s for r in timed for p in r.per_rank)
+    if not waited or total <= 0:
+        return {}
+    return {"device_wait_rate": waited / (len(timed[0].per_rank) * total)}
 
 
 def _compile_summary(records: list[StepRecord], timed: list[int]) -> dict:

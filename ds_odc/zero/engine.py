@@ -15,7 +15,8 @@ from ds_odc.zero.host_step import HostStepTimes
 from ds_odc.zero.minibatch import MinibatchTag
 from ds_odc.zero.optimizer import OdcOptimizer
 
-__all__ = ["tag_minibatch", "holds_replica", "host_step_timer", "symmetric_device_bytes", "destroy_engine"]
+__all__ = ["tag_minibatch", "holds_replica", "host_step_timer", "symmetric_device_bytes", "destroy_engine",
+           "lockstep_waits"]
 
 
 def tag_minibatch(engine, batch: Any = None, *, epoch: int | None = None, step: int | None = None,
@@ -79,6 +80,16 @@ def symmetric_device_bytes(engine) -> int:
     if not isinstance(optimizer, OdcOptimizer):
         return 0
     return int(getattr(optimizer.odc.transport, "symmetric_bytes", 0))
+
+
+def lockstep_waits(engine) -> float | None:
+    """With ``odc.lockstep``: the seconds the last step's lock-step meetings waited on the device (CUDA; 0.0 where
+    the host meets, whose waits ``odc_wait_s`` already counts). None for engines without lockstep."""
+    optimizer = getattr(engine, "optimizer", None)
+    tally = optimizer.odc_lockstep if isinstance(optimizer, OdcOptimizer) else None
+    if tally is None:
+        return None
+    return tally.wait_s if tally.on_device else 0.0
 
 
 def destroy_engine(engine) -> None:

@@ -211,11 +211,15 @@ def test_plot_draws_every_planner_on_one_time_axis(tmp_path):
     assert png.read_bytes()[:4] == b"\x89PNG" and png.stat().st_size > 10_000
 
 
-@pytest.mark.parametrize("planner", ["lb-mini", "lb-micro"])
-def test_replay_predicts_a_run_that_follows_the_model(planner):
+@pytest.mark.parametrize("planner,engine,runtime", [("lb-mini", {}, "odc"), ("lb-micro", {}, "collective"),
+                                                    ("lb-micro", {"odc": True}, "odc"),
+                                                    ("lb-micro", {"odc": True, "lockstep": True}, "collective"),
+                                                    ("lb-micro", {"odc": False}, "collective")])
+def test_replay_predicts_a_run_that_follows_the_model(planner, engine, runtime):
     """A run whose every rank-step took exactly a*tokens + b*sum(L^2) + c*microbatches + d (and whose steps took what
-    its planner's sync makes of that) is predicted exactly: its own minibatches in order, the warm-up and the
-    profiled step left out (they took 100 s here, and would show in the totals), the per-step term d added once."""
+    its sync makes of that: ODC's once per minibatch, or every microbatch at once under collectives or ODC's
+    lock-step meetings) is predicted exactly: its own minibatches in order, the warm-up and the profiled step left out
+    (they took 100 s here, and would show in the totals), the per-step term d added once."""
     from ds_odc.balancer.simulate import replay_run
 
     truth, d = FittedCost(a=2e-5, b=1e-9, c=0.2), 0.1
@@ -224,14 +228,14 @@ def test_replay_predicts_a_run_that_follows_the_model(planner):
     steps = []
     for i in range(6):
         minibatch = lengths[i * ranks * per_rank:(i + 1) * ranks * per_rank]
-        run = simulate_step(minibatch, ranks, max_tokens, truth, [planner], "truncate")[planner]
+        run = simulate_step(minibatch, ranks, max_tokens, truth, [planner], "truncate", runtime=runtime)[planner]
         busy = run.busy + d
         slow = i in (0, 5)  # warm-up and profiled: not timed
         steps.append({"step_time_s": 100.0 if slow else run.step_time + d, "per_rank": [
             {"busy_s": float(b), "tokens": int(t), "sq_tokens": int(q), "microbatches": int(k)}
             for b, t, q, k in zip(busy, run.tokens, run.sq_tokens, run.num_microbatches)]})
     metrics = {"config": {"no_shuffle": True, "warmup_steps": 1, "profile_step": 5, "world_size": ranks,
-                          "minibatch_size": per_rank, "max_tokens": max_tokens, "balancer": planner},
+                          "minibatch_size": per_rank, "max_tokens": max_tokens, "balancer": planner, **engine},
                "steps": steps}
     replay = replay_run(metrics, lengths)
     assert replay["steps"] == 4 and replay["cost"]["source"].startswith("fit")

@@ -49,7 +49,8 @@ def _sft(nproc: int, tmp_path) -> tuple[list[float], dict]:
            "--metrics-json", str(out)]
     if placement(nproc) == "shared":
         cmd.append("--shared-gpu")
-    env = cpu_env({k: v for k, v in gpu_env(nproc).items() if k != "DS_ODC_SHARED_GPU"})
+    # shared: the example's own --shared-gpu; partitions: DS_ODC_SHARED_GPU=partition with the MPS environment
+    env = cpu_env({k: v for k, v in gpu_env(nproc).items() if not (k == "DS_ODC_SHARED_GPU" and v == "1")})
     proc = retried(lambda: subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=540, cwd=REPO),
                    lambda p: p.stdout + p.stderr, f"examples/sft.py at {nproc} ranks")
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-5000:]

@@ -1,0 +1,117 @@
+"""N ranks on N partitions of one GPU's SMs (CUDA MPS), to measure what happens *between* ranks on a one-GPU machine.
+
+Ranks that share one GPU with all its SMs (``DS_ODC_SHARED_GPU=1``) lend each other the GPU whenever one of them
+waits, so an imbalance between ranks costs nothing there: fine for checking correctness, useless for speed. Under
+CUDA MPS each process can be held to a share of the SMs (``CUDA_MPS_ACTIVE_THREAD_PERCENTAGE``); a rank held to 1/N
+that finishes early leaves its SMs idle, as a separate GPU would. Run a command that way::
+
+    python -m ds_odc.training.partition --nproc 4 -- \\
+        torchrun --standalone --nproc_per_node 4 examples/sft.py --deepspeed ds_configs/zero3_odc_bf16.json ...
+
+This starts an MPS control daemon of your own (its pipe and log folders in a temporary folder; nothing about the
+GPU's settings changes: not its compute mode, clocks or MIG layout), runs the command with every rank sharing GPU 0
+at ``100 // N`` percent of the SMs (``DS_ODC_SHARED_GPU=partition``), and stops the daemon afterwards, also when the
+command fails. :func:`gpu_partitions` does the same around launches of your own (the benchmarks' ``--partition-gpu``).
+
+What partitions model and what they do not: each rank computes on its own share of the SMs, and waits for the others
+as it would on its own GPU. Memory bandwidth, the L2 cache, the copy engines and the GPU's power budget stay shared:
+a partition whose neighbours are idle runs faster than one whose neighbours are busy (measured on an H100: a bf16
+matrix product at 1/2 of the SMs runs at 0.64 of the whole GPU's rate alone and 0.49 with the other half busy), so a
+rank that runs while others wait is helped, which shortens exactly the waits ODC removes: partitions understate the
+gain of balancing. One-sided traffic between ranks stays on the device instead of crossing NVLink.
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import os
+import shutil
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+from typing import Iterator
+
+__all__ = ["PARTITION", "gpu_partitions", "mps_control", "partition_share"]
+
+PARTITION = "partition"
+"""The value of ``DS_ODC_SHARED_GPU`` that says: every rank on GPU 0, each held to its share of the SMs by MPS."""
+_MPS_ENV = ("CUDA_MPS_PIPE_DIRECTORY", "CUDA_MPS_LOG_DIRECTORY")
+_PERCENTAGE = "CUDA_MPS_ACTIVE_THREAD_PERCENTAGE"
+
+
+def mps_control() -> str:
+    """The MPS control program (``nvidia-cuda-mps-control``), or an error that says where it comes from."""
+    found = shutil.which("nvidia-cuda-mps-control")
+    for folder in ("/usr/local/nvidia/bin", "/usr/bin", "/usr/local/cuda/bin"):
+        candidate = Path(folder) / "nvidia-cuda-mps-control"
+        if found is None and candidate.exists():
+            found = str(candidate)
+    if found is None:
+        raise RuntimeError("ds_odc: GPU partitions need CUDA MPS, and this machine has no nvidia-cuda-mps-control "
+                           "(it ships with the NVIDIA driver's utilities). Without it, ranks can only share the whole "
+                           "GPU (DS_ODC_SHARED_GPU=1), which checks correctness but not speed between ranks.")
+    return found
+
+
+def partition_share(nproc: int) -> int:
+    """The percentage of the SMs each of ``nproc`` ranks gets (their sum stays <= 100)."""
+    if nproc < 1:
+        raise ValueError(f"ds_odc: {nproc} partitions")
+    return max(1, 100 // nproc)
+
+
+@contextlib.contextmanager
+def gpu_partitions(nproc: int) -> Iterator[dict[str, str]]:
+    """Start an MPS control daemon of this user and yield the environment that puts each of ``nproc`` ranks on its
+    partition of GPU 0 (add it to every rank's environment); stop the daemon on the way out, also after an error."""
+    control = mps_control()
+    folder = Path(tempfile.mkdtemp(prefix="ds_odc_mps_"))
+    env = {"CUDA_MPS_PIPE_DIRECTORY": str(folder / "pipe"), "CUDA_MPS_LOG_DIRECTORY": str(folder / "log")}
+    for path in env.values():
+        Path(path).mkdir()
+    daemon_env = {**os.environ, **env}
+    started = subprocess.run([control, "-d"], env=daemon_env, capture_output=True, text=True, timeout=60)
+    try:
+        if started.returncode != 0:
+            raise RuntimeError(f"ds_odc: could not start the MPS daemon ({control} -d exited {started.returncode}): "
+                               f"{(started.stderr or started.stdout).strip()}")
+        yield {**env, _PERCENTAGE: str(partition_share(nproc)), "DS_ODC_SHARED_GPU": PARTITION}
+    finally:
+        with contextlib.suppress(Exception):
+            subprocess.run([control], input="quit\n", env=daemon_env, capture_output=True, text=True, timeout=60)
+            time.sleep(0.5)
+        shutil.rmtree(folder, ignore_errors=True)
+
+
+def check_partition_env() -> None:
+    """In a rank of ``DS_ODC_SHARED_GPU=partition``: the MPS environment must be there before CUDA starts, or the
+    rank would silently get the whole GPU."""
+    missing = [k for k in (*_MPS_ENV, _PERCENTAGE) if not os.environ.get(k)]
+    if missing:
+        raise RuntimeError(f"ds_odc: DS_ODC_SHARED_GPU=partition, but {', '.join(missing)} is not set: start the job "
+                           "under `python -m ds_odc.training.partition --nproc N -- <command>` (or gpu_partitions()), "
+                           "which starts CUDA MPS and gives each rank its share of the SMs.")
+    import torch
+    if torch.cuda.is_initialized():
+        raise RuntimeError("ds_odc: DS_ODC_SHARED_GPU=partition must take effect before CUDA starts in this process; "
+                           "call init_distributed() before anything touches the GPU.")
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="python -m ds_odc.training.partition",
+                                     description="Run a command with its ranks on SM partitions of GPU 0 (CUDA MPS).")
+    parser.add_argument("--nproc", type=int, required=True, help="ranks (partitions) the command starts on GPU 0")
+    parser.add_argument("command", nargs=argparse.REMAINDER, help="-- then the command, e.g. torchrun ...")
+    args = parser.parse_args(argv)
+    command = args.command[1:] if args.command[:1] == ["--"] else args.command
+    if not command:
+        parser.error("give the command after --")
+    with gpu_partitions(args.nproc) as env:
+        return subprocess.run(command, env={**os.environ, **env}).returncode
+
+
+if __name__ == "__main__":
+    sys.exit(main())
