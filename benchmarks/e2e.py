@@ -276,8 +276,9 @@ def run(mode: str, args, lengths: Path, out: Path, round_: int = 0) -> dict:
                               env=dict(os.environ, **partition_env, TMPDIR=scratch, PYTHONPATH=os.pathsep.join(
                                   p for p in [str(root), os.environ.get("PYTHONPATH", "")] if p)))
     if proc.returncode != 0 or not metrics.exists():
-        tail = log.read_text()[-2500:]
-        print(f"  {mode} FAILED (rc={proc.returncode}); log tail:\n{tail}", flush=True)
+        text = log.read_text()
+        errors = "\n".join(line for line in text.splitlines() if "Error" in line and "elastic" not in line)[-2500:]
+        print(f"  {mode} FAILED (rc={proc.returncode}); errors in {log}:\n{errors or text[-2500:]}", flush=True)
         return {"mode": mode, "failed": True}
     written = json.loads(metrics.read_text())
     result = written["summary"]
