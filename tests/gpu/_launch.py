@@ -69,10 +69,10 @@ def launch_gpu(script, nproc: int, args=(), timeout: float = 420, env: dict | No
                    lambda r: r.stdout + r.stderr, f"{Path(script).name} at {nproc} ranks")
 
 
-# ``ODC_TEST_GPU_PARTITIONS=1``: ranks that share GPU 0 run on SM partitions of it (CUDA MPS, one daemon for the
-# session; ds_odc.training.partition) instead of sharing all its SMs. The test ids say "partitions".
+# ``ODC_TEST_GPU_PARTITIONS=1``: ranks that share GPU 0 run on SM partitions of it (CUDA MPS; ds_odc.training.partition)
+# instead of sharing all its SMs, under the session's MPS daemon (tests/gpu/conftest.py). The test ids say "partitions".
 PARTITIONS = os.environ.get("ODC_TEST_GPU_PARTITIONS", "").strip() == "1"
-_MPS: dict[str, str] = {}
+MPS: dict[str, str] = {}  # the session daemon's environment, while it runs
 
 
 def placement(nproc: int) -> str:
@@ -83,19 +83,6 @@ def placement(nproc: int) -> str:
     if gpu_count() >= nproc and nproc > 1:
         return f"{nproc}gpus"
     return "1gpu" if nproc == 1 else ("partitions" if PARTITIONS else "shared")
-
-
-def _mps_env() -> dict[str, str]:
-    """The MPS daemon of this test session (started at first use, stopped at exit)."""
-    if not _MPS:
-        import atexit
-        import contextlib
-
-        from ds_odc.training.partition import gpu_partitions
-        stack = contextlib.ExitStack()
-        _MPS.update(stack.enter_context(gpu_partitions(1)))
-        atexit.register(stack.close)
-    return dict(_MPS)
 
 
 def rank_params(*counts: int, group: str | None = None) -> list:
@@ -115,7 +102,9 @@ def gpu_env(nproc: int) -> dict[str, str]:
         env["DS_ODC_SHARED_GPU"] = "1"
     elif placement(nproc) == "partitions":
         from ds_odc.training.partition import partition_share
-        env.update(_mps_env(), CUDA_MPS_ACTIVE_THREAD_PERCENTAGE=str(partition_share(nproc)))
+        if not MPS:
+            raise RuntimeError("ODC_TEST_GPU_PARTITIONS=1 but no MPS daemon runs (tests/gpu/conftest.py starts it)")
+        env.update(MPS, CUDA_MPS_ACTIVE_THREAD_PERCENTAGE=str(partition_share(nproc)))
     return env
 
 

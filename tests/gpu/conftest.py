@@ -21,6 +21,21 @@ def nvshmem_op():
     return load_op(verbose=True)
 
 
+@pytest.fixture(scope="session", autouse=True)
+def _gpu_partitions():
+    """With ``ODC_TEST_GPU_PARTITIONS=1``: one MPS daemon for the session (ranks that share GPU 0 then run on SM
+    partitions of it; ``_launch.gpu_env``), started before any test's own temporary folder exists and stopped at the
+    end of the session."""
+    if not _launch.PARTITIONS or _launch.gpu_count() == 0:
+        yield
+        return
+    from ds_odc.training.partition import gpu_partitions
+    with gpu_partitions(1) as env:
+        _launch.MPS.update(env)
+        yield
+        _launch.MPS.clear()
+
+
 @pytest.fixture(autouse=True)
 def _release_cached_gpu_memory():
     """Tests in this process (kernel checks) must not keep GPU memory cached while other tests' ranks need it."""
