@@ -85,16 +85,11 @@ def test_a_misspelt_odc_key_is_named_as_written_with_the_closest_valid_one(where
     assert "zero_optimization.odc.timeout_s\n  Input should be greater than 0" in message, message
 
 
-def _engine(**overrides):
-    zero = get_zero_config({"zero_optimization": {"stage": 3, "odc": True}})
-    config = types.SimpleNamespace(zero_config=zero, activation_checkpointing_config=types.SimpleNamespace(
-        partition_activations=False))
-    values = dict(zero_optimization_stage=3, super_offload=False, gradient_predivide_factor=1.0, fp16_enabled=False,
-                  is_deepcompile_enabled=False, autotp_size=1)
-    values.update(overrides)
-    engine = types.SimpleNamespace(_config=config, has_moe_layers=False, mpu=None,
-                                   **{k: (lambda v=v: v) for k, v in values.items()})
-    return engine
+def _engine(**ds_config):
+    from ds_odc.zero.validate import read_config
+    config = read_config({"train_micro_batch_size_per_gpu": 1, "zero_optimization": {"stage": 3, "odc": True},
+                          **ds_config})
+    return types.SimpleNamespace(_config=config, has_moe_layers=False, mpu=None)
 
 
 def test_validator_rejects_fp16_naming_the_option():
@@ -102,9 +97,9 @@ def test_validator_rejects_fp16_naming_the_option():
     optimizer = torch.optim.SGD([torch.nn.Parameter(torch.zeros(1))], lr=0.1)
     assert validate_engine(_engine(), optimizer) is True
     with pytest.raises(ValueError, match="fp16.enabled"):
-        validate_engine(_engine(fp16_enabled=True), optimizer)
+        validate_engine(_engine(fp16={"enabled": True}), optimizer)
     with pytest.raises(ValueError, match="deepcompile"):
-        validate_engine(_engine(is_deepcompile_enabled=True), optimizer)
+        validate_engine(_engine(compile={"deepcompile": True}), optimizer)
 
 
 def test_no_optimizer_means_no_odc():
