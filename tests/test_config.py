@@ -30,6 +30,20 @@ def test_bad_odc_values_are_errors(bad):
     assert "odc" in str(err.value)
 
 
+@pytest.mark.parametrize("value", ["yes", "true", 1, ["shm"]])
+def test_an_odc_value_of_the_wrong_kind_is_told_what_the_key_takes(value):
+    with pytest.raises(pydantic.ValidationError) as err:
+        get_zero_config({"zero_optimization": {"stage": 3, "odc": value}})
+    message = str(err.value)
+    keys = ", ".join(sorted(ds_odc.OdcConfig.model_fields))  # bootstrap, deterministic, enabled, ...
+    assert ("\nzero_optimization.odc\n  Input should be true (on, with the defaults), false, or an object with the "
+            f"keys {keys} [") in message, message
+    assert "OdcConfig" not in message, message
+    with pytest.raises(pydantic.ValidationError) as err:  # DeepSpeed's own sub-objects: told their keys too
+        get_zero_config({"zero_optimization": {"stage": 3, "offload_param": "cpu"}})
+    assert "zero_optimization.offload_param\n  Input should be an object with the keys buffer_count, " in str(err.value)
+
+
 def test_odc_defaults_to_plain_linear_and_block_fetch_unless_told_otherwise():
     odc = get_zero_config({"zero_optimization": {"stage": 3, "odc": True}})
     assert odc.memory_efficient_linear is False and odc.odc.fetch_unit == "block"
