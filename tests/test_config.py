@@ -116,5 +116,31 @@ def test_validator_rejects_fp16_naming_the_option():
         validate_engine(_engine(compile={"deepcompile": True}), optimizer)
 
 
-def test_no_optimizer_means_no_odc():
-    assert validate_engine(_engine(), None) is False
+def test_no_optimizer_means_no_odc_said_once_naming_the_model():
+    """An engine without an optimizer (TRL's reference model, say) runs stock: one INFO line naming its model class
+    (shown at DeepSpeed's log level info; its default is warning), not a warning per rank and per engine."""
+    import logging
+
+    import torch
+    from deepspeed.utils import logger
+
+    class ReferenceLM(torch.nn.Module):
+        pass
+
+    records = []
+    handler = logging.Handler()
+    handler.emit = records.append
+    logger.addHandler(handler)
+    level = logger.level
+    logger.setLevel(logging.INFO)
+    try:
+        for _ in range(2):
+            engine = _engine()
+            engine.module = ReferenceLM()
+            assert validate_engine(engine, None) is False
+    finally:
+        logger.removeHandler(handler)
+        logger.setLevel(level)
+    said = [r for r in records if "no optimizer" in r.getMessage()]
+    assert len(said) == 1 and said[0].levelno == logging.INFO, [r.getMessage() for r in records]
+    assert "the engine of this ReferenceLM has no optimizer (an inference or reference model)" in said[0].getMessage()

@@ -99,12 +99,21 @@ def validate_engine(engine, optimizer) -> bool:
     if engine.mpu is not None:
         raise _reject("mpu (model parallelism)", "ODC shards over the data-parallel group only")
     if optimizer is None or isinstance(optimizer, DummyOptim):
-        logger.warning("ds_odc: no optimizer was given, so there is no training step: ODC is not used")
+        _say_stock_without_an_optimizer(engine)
         return False
     zc = engine._config.zero_config
     if zc.odc.shard_size is not None:
         _validate_shard_groups(engine, zc.odc)
     return True
+
+
+def _say_stock_without_an_optimizer(engine) -> None:
+    """An engine built without an optimizer is for inference (TRL's reference model, say, beside a policy that does
+    train under ODC): nothing is wrong, so one line on rank 0 (once per model class) naming it, not a warning."""
+    from deepspeed.utils.logging import log_dist_once
+    model = type(getattr(engine, "module", None)).__name__
+    log_dist_once(f"ds_odc: the engine of this {model} has no optimizer (an inference or reference model), so it "
+                  "runs as stock ZeRO-3: ODC applies to engines that train", ranks=[0])
 
 
 # -- the rules a ds_config alone decides, in the order they are reported -------------------------------------------
