@@ -87,13 +87,18 @@ def check_deepspeed() -> None:
 
 
 def skip_cpu_shm_op_build() -> None:
-    """Why: ``init_distributed`` on CPU JIT-builds DeepSpeed's shared-memory op (40-65 s of g++ on first use), which only
-    ``inference_all_reduce`` needs, never ZeRO training. Through sys.modules: ``import deepspeed.comm.torch as m``
-    binds the torch package that ``deepspeed.comm`` re-exports, and patching that would silently do nothing."""
+    """Why: on DeepSpeed's CPU accelerator ``init_distributed`` JIT-builds its shared-memory op (40 s to 3 minutes of
+    g++ on first use, per torch extensions folder), which only ``inference_all_reduce`` uses, never ZeRO training;
+    without it ``inference_all_reduce`` takes ``torch.distributed.all_reduce`` (``TorchBackend`` then has no
+    ``shm_vector_kernel_level``). Called by :func:`ds_odc.patch`, so a usual script that imports ds_odc and calls
+    ``deepspeed.init_distributed`` skips it too. Through sys.modules: ``import deepspeed.comm.torch as m`` binds the
+    torch package that ``deepspeed.comm`` re-exports, and patching that would silently do nothing."""
     import sys
 
     import deepspeed.comm  # noqa: F401  (loads deepspeed.comm.torch)
-    sys.modules["deepspeed.comm.torch"].build_shm_op = lambda: None
+    from deepspeed.accelerator import get_accelerator
+    if get_accelerator().device_name() == "cpu":
+        sys.modules["deepspeed.comm.torch"].build_shm_op = lambda: None
 
 
 def config_outside_a_job(ds_config: dict):
