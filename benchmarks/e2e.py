@@ -376,6 +376,9 @@ def main():
         args.modes = ",".join(KERNELS_TABLE)
     args.compare_to = args.compare_to if args.compare_to is not None else (
         "lockstep+lb-micro,lockstep+local-sort" if args.partition_gpu else "" if packed_table else "stock+lb-micro")
+    modes = args.modes.split(",")
+    for mode in modes:
+        checkout_of(mode)  # a wrong @DIR fails now, before anything is written or run
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
     lengths = out / f"lengths-{args.workload}.txt"
@@ -389,9 +392,6 @@ def main():
           f"{d_attn} x L^2 (causal attention); peak: "
           + (f"{args.peak_tflops:.0f} TFLOP/s dense bf16 measured here (8192^3 matmul, median of 20)"
              if args.peak_tflops else "not measured (no GPU): no MFU"), flush=True)
-    modes = args.modes.split(",")
-    for mode in modes:
-        checkout_of(mode)  # a wrong @DIR fails now, not after the other modes ran
     with contextlib.ExitStack() as stack:
         if args.partition_gpu:
             from ds_odc.training.partition import gpu_partitions

@@ -51,7 +51,8 @@ def _import_deepspeed_quietly() -> None:
 
 
 def patch() -> None:
-    """Teach DeepSpeed the ``odc`` key and hook its stage-3 optimizer construction. Idempotent.
+    """Teach DeepSpeed the ``odc`` key and hook its stage-3 optimizer construction; on a machine without an
+    accelerator, spare ``deepspeed.init_distributed`` the build of an op that only inference uses. Idempotent.
 
     ``import ds_odc`` arranges this by itself; calling it imports DeepSpeed now if it is not imported yet."""
     global _patched
@@ -77,6 +78,7 @@ def patch() -> None:
         return True
 
     privates.check_deepspeed()
+    privates.skip_cpu_shm_op_build()
     privates.install_config_model(OdcZeroConfig)
     privates.install_optimizer_hook(OdcOptimizer, prepare_engine)
     privates.install_zero_init_group(shard_group_for)

@@ -18,8 +18,9 @@ def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="python -m ds_odc", description=__doc__.splitlines()[0])
     commands = parser.add_subparsers(dest="command")
     commands.add_parser("report", help="what ODC can use on this machine (the default)")
-    check = commands.add_parser("check", help="validate the zero_optimization block of a ds_config JSON file, "
-                                              "odc key included, and print the resolved odc settings")
+    check = commands.add_parser("check", help="read a ds_config JSON file as deepspeed.initialize will with "
+                                              "ds_odc imported: every option it would refuse under ODC, and the "
+                                              "resolved odc settings")
     check.add_argument("config", help="ds_config JSON file")
     args = parser.parse_args(argv)
     missing = _missing()

@@ -129,8 +129,12 @@ def _model_at(model: type[BaseModel], path: tuple) -> type[BaseModel] | None:
     return model
 
 
+def _keys(model: type[BaseModel] | None) -> list[str]:
+    return sorted({k for name, f in model.model_fields.items() for k in (name, f.alias) if k}) if model else []
+
+
 def _unknown_key(model: type[BaseModel] | None, key: str) -> PydanticCustomError:
-    valid = sorted({k for name, f in model.model_fields.items() for k in (name, f.alias) if k}) if model else []
+    valid = _keys(model)
     closest = difflib.get_close_matches(key, valid, n=1)
     message = f"unknown key {key!r}" + (f": did you mean {closest[0]!r}?" if closest else "")
     if 0 < len(valid) <= 12:
@@ -138,15 +142,28 @@ def _unknown_key(model: type[BaseModel] | None, key: str) -> PydanticCustomError
     return PydanticCustomError("unknown_key", message)
 
 
+def _not_an_object(path: tuple, model: type[BaseModel] | None) -> PydanticCustomError:
+    """pydantic's "valid dictionary or instance of <internal class>", said as what the ds_config may hold there."""
+    shorthand = "true (on, with the defaults), false, or " if path == ("odc",) else ""  # OdcZeroConfig._bool_shorthand
+    valid = _keys(model)
+    keys = f" with the keys {', '.join(valid)}" if 0 < len(valid) <= 12 else ""
+    return PydanticCustomError("not_an_object", f"Input should be {shorthand}an object{keys}")
+
+
 def _as_the_user_wrote_it(err: ValidationError, model: type[BaseModel]) -> ValidationError:
     """``err`` with every location written from the top of the ds_config (``zero_optimization.odc.enabld``, not
-    pydantic's title naming this internal class) and unknown keys given their closest valid spelling."""
+    pydantic's title naming this internal class), unknown keys given their closest valid spelling, and a value that
+    should have been an object told which keys (and, for ``odc``, which shorthands) it takes."""
     details = []
     for e in err.errors():
         loc = tuple(e["loc"])
-        kind = _unknown_key(_model_at(model, loc[:-1]), str(loc[-1])) if e["type"] == "extra_forbidden" else e["type"]
+        kind = e["type"]
+        if kind == "extra_forbidden":
+            kind = _unknown_key(_model_at(model, loc[:-1]), str(loc[-1]))
+        elif kind == "model_type":
+            kind = _not_an_object(loc, _model_at(model, loc))
         details.append({"type": kind, "loc": ("zero_optimization", *loc), "input": e["input"],
-                        **({"ctx": e["ctx"]} if "ctx" in e else {})})
+                        **({"ctx": e["ctx"]} if "ctx" in e and isinstance(kind, str) else {})})
     return ValidationError.from_exception_data("ds_config", details)
 
 

@@ -13,7 +13,8 @@ microbatches and costs both of its sequences. Each rank trains its share of a st
 it needs (padding-free rows by default), and the reference model scores the same rows (with ``--lora``: the base
 model with the adapters disabled, as TRL does; no reference copy is kept). The loss and the metrics TRL
 logs (``rewards/*``, ``logps/*``, ``logits/*``, ...) are the values stock DPOTrainer would log for the same
-minibatches. Every log line also carries ``odc/microbatches_rank{r}`` and ``odc/bubble``. Needs ``pip install trl``
+minibatches. Every log also carries ``odc/microbatches_rank{r}`` and ``odc/bubble``; the console shows one short line
+per step (loss, reward accuracy, samples/s, ODC's wait and bubble), ``--log-dicts`` every value. Needs ``pip install trl``
 (tested with trl 1.16).
 """
 
@@ -52,6 +53,8 @@ def parse_args():
     p.add_argument("--shared-gpu", action="store_true",
                    help="every rank on one GPU (torch.distributed over gloo): several ranks on a one-GPU machine, "
                         "for correctness, not speed")
+    p.add_argument("--log-dicts", action="store_true",
+                   help="print every log dict whole (the Trainer's own printing) instead of one short line per step")
     p.add_argument("--local_rank", type=int, default=None)
     return p.parse_args()
 
@@ -111,6 +114,9 @@ def main():
     else:
         trainer = DPOTrainer(model, **common)
         match_accelerate_backend(trainer.args)  # gathers over gloo when the ranks share a GPU (--shared-gpu)
+    if not args.log_dicts:
+        from ds_odc.integrations import show_log_lines
+        show_log_lines(trainer, extra=("rewards/accuracies",))  # one short line per logging step
     trainer.train()
     if trainer.is_world_process_zero():
         logs = [e for e in trainer.state.log_history if "rewards/accuracies" in e]

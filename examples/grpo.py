@@ -15,7 +15,8 @@ CPU, 2 ranks (seconds):
 GPU, one node (Qwen2-1.5B shape, bf16):
     .venv/bin/accelerate launch --config_file ds_configs/accelerate_zero3_odc.yaml examples/grpo.py --preset 1.5b
 
-Every log line carries, besides TRL's metrics: ``odc/microbatches_rank{r}`` (microbatches each rank trained),
+Every log carries, besides TRL's metrics (the console shows one short line per step; ``--log-dicts``: every value):
+``odc/microbatches_rank{r}`` (microbatches each rank trained),
 ``odc/bubble`` (share of rank-time not spent in forward/backward), ``odc/generation_tokens_per_second`` (new tokens
 of all ranks over the slowest rank's generation time) and ``odc/step_wait_seconds`` (time a rank waited for the
 others at the optimizer step).
@@ -65,6 +66,8 @@ def parse_args():
                    help="train LoRA adapters of this rank (peft_config; every linear layer but the LM head)")
     p.add_argument("--shared-gpu", action="store_true",
                    help="every rank on one GPU (torch.distributed over gloo): several ranks on a one-GPU machine, for correctness, not speed")
+    p.add_argument("--log-dicts", action="store_true",
+                   help="print every log dict whole (the Trainer's own printing) instead of one short line per step")
     p.add_argument("--local_rank", type=int, default=None)
     return p.parse_args()
 
@@ -139,6 +142,9 @@ def main():
                              **common)
     if not trainer.odc and args.odc and not accelerate_config:
         raise SystemExit("ODC did not turn on: check the DeepSpeed config")
+    if not args.log_dicts:
+        from ds_odc.integrations import show_log_lines
+        show_log_lines(trainer, extra=("reward",))  # one short line per logging step
     trainer.train()
     if trainer.is_world_process_zero():
         logs = [e for e in trainer.state.log_history if "reward" in e]

@@ -6,8 +6,9 @@ CPU (tiny random model, nothing downloaded):
 GPU (bigger presets, bf16):
     .venv/bin/torchrun --standalone --nproc_per_node 8 examples/hf_trainer_sft.py --preset 1b --bf16
 
-The model is random-init from a config, so the loss only shows that training runs; the odc/* columns of the logs
-(bubble, samples/s, microbatches per rank) are the point. See docs/HF_TRAINER.md.
+The model is random-init from a config, so the loss only shows that training runs; ODC's numbers in the log lines
+(samples/s, the wait at the step and the bubble; with --log-dicts every odc/* metric, microbatches per rank too) are
+the point. See docs/HF_TRAINER.md.
 """
 
 from __future__ import annotations
@@ -51,6 +52,8 @@ def parse_args():
     p.add_argument("--logging-steps", type=int, default=1)
     p.add_argument("--shared-gpu", action="store_true",
                    help="every rank on one GPU (torch.distributed over gloo): several ranks on a one-GPU machine, for correctness, not speed")
+    p.add_argument("--log-dicts", action="store_true",
+                   help="print every log dict whole (the Trainer's own printing) instead of one short line per step")
     p.add_argument("--local_rank", type=int, default=None)  # the deepspeed launcher passes it
     return p.parse_args()
 
@@ -108,6 +111,9 @@ def main():
     else:  # the baseline: stock Trainer and ZeRO-3, one padding-free sample per microbatch
         trainer = Trainer(model, training_args, train_dataset=data, data_collator=PackedCollator())
         match_accelerate_backend(trainer.args)  # gathers over gloo when the ranks share a GPU (--shared-gpu)
+    if not args.log_dicts:
+        from ds_odc.integrations import show_log_lines
+        show_log_lines(trainer)  # one short line per logging step
     result = trainer.train(resume_from_checkpoint=True if args.resume else None)
     if trainer.is_world_process_zero():
         summary = {k: round(v, 4) for k, v in result.metrics.items()}

@@ -40,6 +40,8 @@ def parse_args():
     p.add_argument("--output-dir", help="where the trainer writes (default: a temporary folder, removed at the end)")
     p.add_argument("--shared-gpu", action="store_true",
                    help="every rank on one GPU (torch.distributed over gloo): several ranks on a one-GPU machine, for correctness, not speed")
+    p.add_argument("--log-dicts", action="store_true",
+                   help="print every log dict whole (the Trainer's own printing) instead of one short line per step")
     p.add_argument("--local_rank", type=int, default=None)
     return p.parse_args()
 
@@ -87,6 +89,9 @@ def main():
     else:
         trainer = SFTTrainer(model, config, **common)
         match_accelerate_backend(trainer.args)  # gathers over gloo when the ranks share a GPU (--shared-gpu)
+    if not args.log_dicts:
+        from ds_odc.integrations import show_log_lines
+        show_log_lines(trainer)  # one short line per logging step
     result = trainer.train()
     if trainer.is_world_process_zero():
         print(f"done: {trainer.state.global_step} steps, train_loss={result.metrics['train_loss']:.4f}", flush=True)

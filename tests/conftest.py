@@ -5,9 +5,14 @@ nothing in the system's temporary folder. Inside it each test gets a fresh ``TMP
 starts; whatever is still there when the test ends fails that test, by name. Write into pytest's ``tmp_path`` (or
 remove what the test makes) instead. Two folders torch itself makes there are removed without complaint, as no test
 can avoid them: torchrun's log folder (``torchelastic_*``) and torch.compile's precompiled headers
-(``torchinductor_*``, written to the temporary folder whatever its cache setting). The rest of torch.compile's cache
-is kept in the checkout's ``.torch_ext/`` (git ignores it) beside the JIT-built ops, so later runs reuse it. Ranks
-started through ``_support.launch`` get a folder of their own, removed when they end. Pass ``--basetemp DIR`` to
+(``torchinductor_*``, written to the temporary folder whatever its cache setting). Ranks started through
+``_support.launch`` get a folder of their own, removed when they end.
+
+What later runs reuse (JIT-built ops, the rest of torch.compile's cache, Hypothesis' examples) goes to the suite's
+cache folder, never into the checkout: ``var/cache/ds_odc_tests`` inside the virtual environment that runs the suite
+(``.venv``, so it goes when the environment goes, and another checkout's environment never shares it), or
+``~/.cache/ds_odc_tests`` in a Python of no virtual environment. A ``TORCH_EXTENSIONS_DIR``,
+``TORCHINDUCTOR_CACHE_DIR`` or ``HYPOTHESIS_STORAGE_DIRECTORY`` already set wins. Pass ``--basetemp DIR`` to
 keep ``tmp_path`` folders for a look after the run. A test that leaves a ``DS_ODC_*`` environment variable changed fails
 too (later tests' ranks would inherit it).
 
@@ -18,6 +23,7 @@ from __future__ import annotations
 
 import os
 import shutil
+import sys
 import tempfile
 from pathlib import Path
 
@@ -36,10 +42,20 @@ def _point_temp_at(path: Path) -> None:
     tempfile.tempdir = str(path)
 
 
+def suite_cache() -> Path:
+    """See the module docstring."""
+    if sys.prefix != sys.base_prefix:
+        return Path(sys.prefix) / "var" / "cache" / "ds_odc_tests"
+    return Path(os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache") / "ds_odc_tests"
+
+
 def pytest_configure(config):
     global _suite_dir
     if _suite_dir is None:
-        os.environ.setdefault("TORCHINDUCTOR_CACHE_DIR", str(REPO / ".torch_ext" / "inductor"))
+        cache = suite_cache()
+        os.environ.setdefault("TORCH_EXTENSIONS_DIR", str(cache / "torch_extensions"))  # ranks inherit all three
+        os.environ.setdefault("TORCHINDUCTOR_CACHE_DIR", str(cache / "inductor"))
+        os.environ.setdefault("HYPOTHESIS_STORAGE_DIRECTORY", str(cache / "hypothesis"))
         _suite_dir = Path(tempfile.mkdtemp(prefix="ds_odc_tests_"))
         _point_temp_at(_suite_dir)  # before pytest first asks for its basetemp, which then lands in here
 

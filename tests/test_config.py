@@ -30,6 +30,20 @@ def test_bad_odc_values_are_errors(bad):
     assert "odc" in str(err.value)
 
 
+@pytest.mark.parametrize("value", ["yes", "true", 1, ["shm"]])
+def test_an_odc_value_of_the_wrong_kind_is_told_what_the_key_takes(value):
+    with pytest.raises(pydantic.ValidationError) as err:
+        get_zero_config({"zero_optimization": {"stage": 3, "odc": value}})
+    message = str(err.value)
+    keys = ", ".join(sorted(ds_odc.OdcConfig.model_fields))  # bootstrap, deterministic, enabled, ...
+    assert ("\nzero_optimization.odc\n  Input should be true (on, with the defaults), false, or an object with the "
+            f"keys {keys} [") in message, message
+    assert "OdcConfig" not in message, message
+    with pytest.raises(pydantic.ValidationError) as err:  # DeepSpeed's own sub-objects: told their keys too
+        get_zero_config({"zero_optimization": {"stage": 3, "offload_param": "cpu"}})
+    assert "zero_optimization.offload_param\n  Input should be an object with the keys buffer_count, " in str(err.value)
+
+
 def test_odc_defaults_to_plain_linear_and_block_fetch_unless_told_otherwise():
     odc = get_zero_config({"zero_optimization": {"stage": 3, "odc": True}})
     assert odc.memory_efficient_linear is False and odc.odc.fetch_unit == "block"
@@ -85,16 +99,11 @@ def test_a_misspelt_odc_key_is_named_as_written_with_the_closest_valid_one(where
     assert "zero_optimization.odc.timeout_s\n  Input should be greater than 0" in message, message
 
 
-def _engine(**overrides):
-    zero = get_zero_config({"zero_optimization": {"stage": 3, "odc": True}})
-    config = types.SimpleNamespace(zero_config=zero, activation_checkpointing_config=types.SimpleNamespace(
-        partition_activations=False))
-    values = dict(zero_optimization_stage=3, super_offload=False, gradient_predivide_factor=1.0, fp16_enabled=False,
-                  is_deepcompile_enabled=False, autotp_size=1)
-    values.update(overrides)
-    engine = types.SimpleNamespace(_config=config, has_moe_layers=False, mpu=None,
-                                   **{k: (lambda v=v: v) for k, v in values.items()})
-    return engine
+def _engine(**ds_config):
+    from ds_odc.zero.validate import read_config
+    config = read_config({"train_micro_batch_size_per_gpu": 1, "zero_optimization": {"stage": 3, "odc": True},
+                          **ds_config})
+    return types.SimpleNamespace(_config=config, has_moe_layers=False, mpu=None)
 
 
 def test_validator_rejects_fp16_naming_the_option():
@@ -102,10 +111,36 @@ def test_validator_rejects_fp16_naming_the_option():
     optimizer = torch.optim.SGD([torch.nn.Parameter(torch.zeros(1))], lr=0.1)
     assert validate_engine(_engine(), optimizer) is True
     with pytest.raises(ValueError, match="fp16.enabled"):
-        validate_engine(_engine(fp16_enabled=True), optimizer)
+        validate_engine(_engine(fp16={"enabled": True}), optimizer)
     with pytest.raises(ValueError, match="deepcompile"):
-        validate_engine(_engine(is_deepcompile_enabled=True), optimizer)
+        validate_engine(_engine(compile={"deepcompile": True}), optimizer)
 
 
-def test_no_optimizer_means_no_odc():
-    assert validate_engine(_engine(), None) is False
+def test_no_optimizer_means_no_odc_said_once_naming_the_model():
+    """An engine without an optimizer (TRL's reference model, say) runs stock: one INFO line naming its model class
+    (shown at DeepSpeed's log level info; its default is warning), not a warning per rank and per engine."""
+    import logging
+
+    import torch
+    from deepspeed.utils import logger
+
+    class ReferenceLM(torch.nn.Module):
+        pass
+
+    records = []
+    handler = logging.Handler()
+    handler.emit = records.append
+    logger.addHandler(handler)
+    level = logger.level
+    logger.setLevel(logging.INFO)
+    try:
+        for _ in range(2):
+            engine = _engine()
+            engine.module = ReferenceLM()
+            assert validate_engine(engine, None) is False
+    finally:
+        logger.removeHandler(handler)
+        logger.setLevel(level)
+    said = [r for r in records if "no optimizer" in r.getMessage()]
+    assert len(said) == 1 and said[0].levelno == logging.INFO, [r.getMessage() for r in records]
+    assert "the engine of this ReferenceLM has no optimizer (an inference or reference model)" in said[0].getMessage()

@@ -198,8 +198,9 @@ def test_e2e_rounds_and_another_checkout_on_cpu(tmp_path):
     odc_row = next(line for line in table.splitlines() if line.startswith("odc+lb-mini "))
     assert odc_row.rstrip().endswith(f"{expected:.2f}x"), (odc_row, expected)  # vs plain, same rows, same round
 
-    wrong = subprocess.run(cmd[:cmd.index("--modes") + 1] + [f"odc+lb-mini@{tmp_path}"], env=cpu_env(),
-                           capture_output=True, text=True, timeout=120)
+    wrong = subprocess.run(cmd[:cmd.index("--modes") + 1] + [f"odc+lb-mini@{tmp_path}", "--out", str(tmp_path / "w")],
+                           env=cpu_env(), capture_output=True, text=True, timeout=120)
     assert wrong.returncode != 0 and "is not a checkout of this repository" in wrong.stderr, wrong.stderr[-2000:]
+    assert not (tmp_path / "w").exists()  # refused before writing anything
     no_timed = subprocess.run(cmd[:-2] + ["--warmup", "2"], env=cpu_env(), capture_output=True, text=True, timeout=120)
     assert no_timed.returncode != 0 and "--warmup 2: give 0 to 1" in no_timed.stderr, no_timed.stderr[-2000:]

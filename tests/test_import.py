@@ -75,3 +75,15 @@ from deepspeed.runtime.zero.config import DeepSpeedZeroConfig
 print(json.dumps({{"patched": ds_odc._patched, "hooked": {HOOKED}, "model": DeepSpeedZeroConfig.__name__}}))
 """)
     assert r == {"patched": True, "hooked": [], "model": "OdcZeroConfig"}
+
+
+def test_deepspeed_init_distributed_on_cpu_builds_no_inference_op_once_ds_odc_is_imported():
+    """Without ds_odc DeepSpeed asks for its shared-memory op at init_distributed on CPU (a JIT build of minutes on
+    first use); with ds_odc imported it does not, and inference_all_reduce, the op's one user, still sums (over
+    torch.distributed's all_reduce)."""
+    from _support.launch import launch
+    worker = ROOT / "tests" / "init_distributed_worker.py"
+    stock = launch(worker, 1, ["--without-ds-odc"], launcher="plain", timeout=120).check().result
+    assert "ShareMemCommBuilder" in stock["requested"], stock
+    r = launch(worker, 2, launcher="plain", timeout=120).check().result
+    assert r["requested"] == [] and r["sum"] == r["expected"] == 3.0, r

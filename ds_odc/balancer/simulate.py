@@ -601,34 +601,49 @@ def main(argv: Sequence[str] | None = None) -> int:
     return 0
 
 
+def cost_unit(args: argparse.Namespace) -> tuple[str, str]:
+    """The unit of the simulated times (step time, overhead, bound), and a line saying what it is."""
+    if args.cost == "fitted":
+        return "s", "times in seconds (the fitted cost's unit)"
+    if args.cost == "quadratic" and args.tflops:
+        return "s", f"times in seconds (training FLOPs at {args.tflops:g} TFLOP/s)"
+    if args.cost == "quadratic":
+        return "FLOPs", ("times in training FLOPs, not seconds (a sample of L tokens costs a*L + b*L^2 FLOPs; "
+                         "--tflops F gives seconds)")
+    return "tokens", ("times in tokens, not seconds: --cost tokens counts a sample of L tokens as L (--cost fitted, or "
+                      "quadratic with --tflops, gives seconds)")
+
+
 def _print_table(summary: dict, args: argparse.Namespace, seconds: float) -> None:
     src_name = f"preset {args.preset}" if args.preset else args.lengths
     network = (f" inter-node={args.inter_node_gbs:g} GB/s/node sharding={args.sharding} "
                f"G={args.ranks_per_node}" if args.inter_node_gbs else "")
+    unit, meaning = cost_unit(args)
     print(f"{src_name}: R={args.ranks} M={args.minibatch_size} T={args.max_tokens} cost={args.cost} "
-          f"overhead={args.microbatch_overhead:g} plans={args.plan_cost} steps={args.steps} seed={args.seed}"
-          f"{network} ({seconds:.1f} s)")
+          f"overhead={args.microbatch_overhead:g} {unit} plans={args.plan_cost} steps={args.steps} seed={args.seed}"
+          f"{network} (simulated in {seconds:.1f} s)")
     auto = args.plan_cost == "auto"
-    print(f"{'planner':<11} {'sync':<10} {'bubble':>7} {'work bubble':>11} {'step time':>12} {'speedup':>8} "
-          f"{'mb/rank':>12}" + (f" {'inter-node':>11}" if args.inter_node_gbs else "")
-          + (f" {'oracle step':>12} {'within 2% from step':>20}" if auto else ""))
+    print(f"{'planner':<11} {'sync':<10} {'bubble':>7} {'work bubble':>11} {f'step time ({unit})':>16} "
+          f"{'speedup':>8} {'mb/rank':>12}" + (f" {f'inter-node ({unit})':>17}" if args.inter_node_gbs else "")
+          + (f" {f'oracle step ({unit})':>18} {'within 2% from step':>20}" if auto else ""))
     for p, s in summary.items():
         line = (f"{p:<11} {s['sync']:<10} {s['bubble_rate']:>7.2%} {s['work_bubble_rate']:>11.2%} "
-                f"{s['step_time']:>12.4g} "
+                f"{s['step_time']:>16.4g} "
                 f"{s['speedup_vs_local_sort'] or 0:>7.3f}x {s['microbatches_per_rank_mean']:>5.2f} "
                 f"[{s['microbatches_per_rank_min']}-{s['microbatches_per_rank_max']}]")
         if args.inter_node_gbs:
-            line += f" {s['internode_time_per_rank']:>11.4g}"
+            line += f" {s['internode_time_per_rank']:>17.4g}"
         if auto:
             conv = s["converged_step"]
-            line += f" {s['oracle_step_time']:>12.4g} {'never' if conv is None else conv:>20}"
+            line += f" {s['oracle_step_time']:>18.4g} {'never' if conv is None else conv:>20}"
         print(line)
+    print(meaning)
     any_s = next(iter(summary.values()))
     if auto:
         f, t = any_s["fitted"], any_s["truth"]
         print(f"auto cost after {args.steps} steps: a={f['a']:.4g} b={f['b']:.4g} c={f['c']:.4g} per microbatch "
               f"(truth a={t['a']:.4g} b={t['b']:.4g} c={t['c']:.4g}; fit of the {next(iter(summary))} run)")
-    print(f"balance bound: step time {any_s['balance_bound_step_time']:.4g} "
+    print(f"balance bound: step time {any_s['balance_bound_step_time']:.4g} {unit} "
           f"(bubble {any_s['balance_bound_bubble_rate']:.2%}); in {any_s['steps_with_dominant_sample']} of "
           f"{args.steps} steps one sample costs more than the fair share total/R, so no planner that trains every "
           "sample whole can balance those steps fully")
@@ -636,7 +651,7 @@ def _print_table(summary: dict, args: argparse.Namespace, seconds: float) -> Non
         if s["split_shapes"]:
             shapes = ", ".join(f"{k}: {n}" for k, n in s["split_shapes"].items())
             print(f"{p}: {s['split_samples_per_step']:.1f} split samples per step; groups (Ulysses x ring: count) "
-                  f"{shapes}; split overhead {s['split_overhead_per_rank']:.4g} per rank and step (busy in the "
+                  f"{shapes}; split overhead {s['split_overhead_per_rank']:.4g} {unit} per rank and step (busy in the "
                   "bubble, idle in the work bubble)")
     for p, s in summary.items():
         if s["truncated_samples"]:

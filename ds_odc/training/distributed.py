@@ -97,8 +97,7 @@ def init_distributed(timeout_s: float | None = None, *, shared_gpu: bool | None 
     ``shared_gpu``: run every rank on one GPU (see the module docstring); None reads ``DS_ODC_SHARED_GPU``. Raises
     where that cannot work: no CUDA device, or a job started by ``mpirun``.
 
-    On CPU this skips DeepSpeed's build of its shared-memory communication op, a 40-65 s g++ compile on first use
-    that only ``inference_all_reduce`` needs (never ZeRO training). On CUDA each rank selects the GPU named by
+    On CUDA each rank selects the GPU named by
     ``LOCAL_RANK`` first. Under ``mpirun`` a ``MASTER_PORT`` in the environment is honoured (DeepSpeed alone uses
     29500 for every job). Recent torch warns on every rank that ``all_gather_into_tensor`` and
     ``reduce_scatter_tensor`` are deprecated, and transformers 5 that ``is_gradient_checkpointing`` is; DeepSpeed and
@@ -126,8 +125,6 @@ def init_distributed(timeout_s: float | None = None, *, shared_gpu: bool | None 
         # two jobs on one host would collide; a port the launcher chose wins. Other launchers: unused.
         kwargs["distributed_port"] = int(os.environ["MASTER_PORT"])
     if on_cpu:
-        from ds_odc.zero import skip_cpu_shm_op_build
-        skip_cpu_shm_op_build()
         deepspeed.init_distributed(dist_backend="gloo", **kwargs)
     elif sharing:
         torch.cuda.set_device(0)

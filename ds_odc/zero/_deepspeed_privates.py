@@ -26,7 +26,7 @@ __all__ = ["SUPPORTED", "check_deepspeed", "skip_cpu_shm_op_build", "install_con
            "bind_param_methods", "forget_backward_functions", "zero3_hooks_detached", "no_rank_consistency_asserts",
            "no_persistent_refresh", "fetch_stream", "count_available", "has_fetches_in_flight", "release_function",
            "gradients_kept_on_device", "time_stock_host_step", "reads_gradients", "GRADIENT_STATE_WITHOUT_GATE", "CoordinatorSeams",
-           "Stage3Seams"]
+           "Stage3Seams", "config_outside_a_job"]
 
 SUPPORTED = ">=0.19.8,<0.20"
 _MIN, _MAX = Version("0.19.8"), Version("0.20")
@@ -44,6 +44,7 @@ COORDINATOR_RELEASE = _COORD + "release_param"
 
 def check_deepspeed() -> None:
     """Fail early, with a version message, if this DeepSpeed lacks a seam ds_odc relies on."""
+    from deepspeed.runtime.config import DeepSpeedConfig
     from deepspeed.runtime.engine import DeepSpeedEngine
     from deepspeed.runtime.zero import partitioned_param_coordinator as coordinator_module
     from deepspeed.runtime.zero.stage3 import DeepSpeedZeroOptimizer_Stage3 as Stage3
@@ -74,6 +75,7 @@ def check_deepspeed() -> None:
             (Coordinator, "reset_step"),
             (DeepSpeedEngine, "_configure_zero_optimizer"),
             (DeepSpeedEngine, "_configure_checkpointing"),
+            (DeepSpeedConfig, "_initialize_params"),
             (coordinator_module, "assert_ints_same_as_other_ranks"),
             (coordinator_module, "iter_params"),
         ] if not hasattr(owner, name)
@@ -85,13 +87,32 @@ def check_deepspeed() -> None:
 
 
 def skip_cpu_shm_op_build() -> None:
-    """Why: ``init_distributed`` on CPU JIT-builds DeepSpeed's shared-memory op (40-65 s of g++ on first use), which only
-    ``inference_all_reduce`` needs, never ZeRO training. Through sys.modules: ``import deepspeed.comm.torch as m``
-    binds the torch package that ``deepspeed.comm`` re-exports, and patching that would silently do nothing."""
+    """Why: on DeepSpeed's CPU accelerator ``init_distributed`` JIT-builds its shared-memory op (40 s to 3 minutes of
+    g++ on first use, per torch extensions folder), which only ``inference_all_reduce`` uses, never ZeRO training;
+    without it ``inference_all_reduce`` takes ``torch.distributed.all_reduce`` (``TorchBackend`` then has no
+    ``shm_vector_kernel_level``). Called by :func:`ds_odc.patch`, so a usual script that imports ds_odc and calls
+    ``deepspeed.init_distributed`` skips it too. Through sys.modules: ``import deepspeed.comm.torch as m`` binds the
+    torch package that ``deepspeed.comm`` re-exports, and patching that would silently do nothing."""
     import sys
 
     import deepspeed.comm  # noqa: F401  (loads deepspeed.comm.torch)
-    sys.modules["deepspeed.comm.torch"].build_shm_op = lambda: None
+    from deepspeed.accelerator import get_accelerator
+    if get_accelerator().device_name() == "cpu":
+        sys.modules["deepspeed.comm.torch"].build_shm_op = lambda: None
+
+
+def config_outside_a_job(ds_config: dict):
+    """Why: ``DeepSpeedConfig(ds_config)`` also checks the batch sizes against the number of ranks, which a config
+    read outside a job (``python -m ds_odc check``) does not know; ``_initialize_params`` parses every section as
+    ``deepspeed.initialize`` does, and only the batch arithmetic is left out."""
+    import copy
+
+    from deepspeed.runtime.config import DeepSpeedConfig
+
+    config = DeepSpeedConfig.__new__(DeepSpeedConfig)
+    config._param_dict, config.global_rank, config.world_size = ds_config, 0, 1
+    config._initialize_params(copy.copy(ds_config))
+    return config
 
 
 # -- installing ODC -------------------------------------------------------------------------------------------------

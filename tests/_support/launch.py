@@ -26,15 +26,15 @@ TESTS = REPO / "tests"
 
 
 def cpu_env(extra: dict | None = None) -> dict:
-    """The environment CPU ranks want: one thread each, loopback only, CPU accelerator, a private JIT cache, and
-    the checkout plus ``tests/`` importable (rank scripts import ``_support`` too)."""
+    """The environment CPU ranks want: one thread each, loopback only, CPU accelerator, and the checkout plus
+    ``tests/`` importable (rank scripts import ``_support`` too). The JIT cache is the suite's (tests/conftest.py
+    sets ``TORCH_EXTENSIONS_DIR``), not the one torch shares between every environment of the user."""
     env = dict(os.environ)
     env.update({
         "OMP_NUM_THREADS": os.environ.get("ODC_TEST_THREADS", "1"),  # threads per rank (a reduction-order knob)
         "GLOO_SOCKET_IFNAME": "lo",
         "MASTER_ADDR": "127.0.0.1",
         "DS_ACCELERATOR": "cpu",
-        "TORCH_EXTENSIONS_DIR": str(REPO / ".torch_ext"),
         "PYTHONWARNINGS": "ignore",
         "TOKENIZERS_PARALLELISM": "false",
         "HF_HUB_OFFLINE": "1",

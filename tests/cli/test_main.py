@@ -43,10 +43,11 @@ def test_check_works_from_a_folder_that_holds_a_folder_named_ds_odc(tmp_path):
 
 
 def test_a_python_without_torch_or_deepspeed_says_what_is_missing_and_how_to_install(tmp_path):
-    """``python -S``: no site-packages, so no torch, DeepSpeed or pydantic; ds_odc itself is found in the checkout."""
+    """``python -S``: no site-packages, so no torch, DeepSpeed or pydantic; ds_odc itself is found in the checkout (and
+    writes no bytecode there: without site, the environment's setting of that is not read)."""
     for argv in ([], ["check", str(tmp_path / "any.json")]):
         proc = subprocess.run([sys.executable, "-S", "-m", "ds_odc", *argv], cwd=REPO, capture_output=True,
-                              text=True, timeout=60, env={"PATH": "/usr/bin:/bin"})
+                              text=True, timeout=60, env={"PATH": "/usr/bin:/bin", "PYTHONDONTWRITEBYTECODE": "1"})
         assert proc.returncode == 1, proc.stdout + proc.stderr
         assert "Traceback" not in proc.stderr, proc.stderr
         assert "has no torch, deepspeed, pydantic, which ds_odc needs" in proc.stderr, proc.stderr

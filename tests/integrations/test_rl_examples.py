@@ -27,7 +27,7 @@ def accelerate_launch(script: str, *args: str, timeout: float = 300) -> str:
 
 
 def test_grpo_example_under_accelerate_launch(tmp_path):
-    out = accelerate_launch("grpo.py", "--max-steps", "2", "--output-dir", str(tmp_path))
+    out = accelerate_launch("grpo.py", "--max-steps", "2", "--output-dir", str(tmp_path), "--log-dicts")
     assert "done: 2 steps (odc + lb-mini)" in out, out[-2000:]
     for key in ("odc/microbatches_rank1", "odc/bubble", "odc/generation_tokens_per_second", "odc/step_wait_seconds"):
         assert key in out, key
@@ -35,11 +35,11 @@ def test_grpo_example_under_accelerate_launch(tmp_path):
 
 def test_trl_sft_example_under_accelerate_launch(tmp_path):
     out = accelerate_launch("trl_sft.py", "--max-steps", "2", "--output-dir", str(tmp_path))
-    assert "done: 2 steps" in out and "odc/bubble" in out, out[-2000:]
+    assert "done: 2 steps" in out and "(bubble " in out, out[-2000:]
 
 
 def test_dpo_example_under_accelerate_launch(tmp_path):
-    out = accelerate_launch("dpo.py", "--max-steps", "5", "--output-dir", str(tmp_path))
+    out = accelerate_launch("dpo.py", "--max-steps", "5", "--output-dir", str(tmp_path), "--log-dicts")
     assert "done: 5 steps (odc + lb-mini)" in out, out[-2000:]  # the automatic cost is fitted after a few steps
     for key in ("odc/microbatches_rank1", "odc/bubble", "odc/cost_b", "rewards/accuracies", "logps/chosen"):
         assert key in out, key

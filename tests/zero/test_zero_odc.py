@@ -165,12 +165,21 @@ def test_dead_rank_is_named_and_a_late_one_is_not():
     assert err["after_s"] < 25, err  # rank 1 arrives 10 s late, rank 2's pulse has stood still: before the 30 s
 
 
-def test_unsupported_options_are_rejected_at_initialize():
+def test_unsupported_options_are_rejected_at_initialize_and_by_check():
+    """Each rule of ds_odc.zero.validate.CONFIG_RULES, planted in a real deepspeed.initialize: ODC refuses it naming the
+    option, and ``python -m ds_odc check`` reports that very message for the same config (one owner for the rules)."""
     r = run(1, "rejects")
-    for option, outcome in r.items():
-        if option == "fp16.enabled":
-            continue  # on CPU DeepSpeed itself refuses fp16 first; see tests/test_config.py for ours
-        assert outcome.startswith("ValueError: ds_odc:") and option in outcome, (option, outcome)
+    assert len(r["rules"]) >= 19, r["rules"]  # every config rule's examples, enumerated by the worker
+    refused_first_by_deepspeed = []
+    for case, outcome in r["rules"].items():
+        assert len(outcome["check"]) == 1 and outcome["check"][0].startswith("ds_odc:"), (case, outcome)
+        if outcome["initialize"].startswith("ValueError: ds_odc:"):
+            assert outcome["initialize"] == "ValueError: " + outcome["check"][0], (case, outcome)
+        else:
+            refused_first_by_deepspeed.append(case)
+    # autotp_size 2 needs 2 ranks: at 1 DeepSpeed asserts before ODC's hook runs (tests/cli/test_check.py: ours).
+    assert [case.split()[0] for case in refused_first_by_deepspeed] == ["_autotp"], r["rules"]
+    assert r["shard_size"].startswith("ValueError: ds_odc:") and "shard_size" in r["shard_size"], r["shard_size"]
 
 
 @pytest.mark.parametrize("launcher", ["deepspeed", "mpirun"])

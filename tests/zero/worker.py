@@ -405,32 +405,28 @@ def scenario_fault(args):
 
 
 def scenario_rejects(args):
-    """Every unsupported option must raise ValueError naming it at deepspeed.initialize."""
-    cases = {
-        "offload_optimizer.device=nvme": {"offload_optimizer": {"device": "nvme", "nvme_path": "/nonexistent"}},
-        "offload_optimizer.ratio": {"offload_optimizer": {"device": "cpu", "ratio": 0.5}},
-        "offload_param": {"offload_param": {"device": "cpu"}},
-        "zero_hpz_partition_size": {"zero_hpz_partition_size": 2},
-        "zero_quantized_weights": {"zero_quantized_weights": True},
-        "zero_quantized_gradients": {"zero_quantized_gradients": True},
-        "reduce_scatter": {"reduce_scatter": False},
-        "stage3_module_granularity_threshold": {"stage3_module_granularity_threshold": 100},
-        "enable_sanity_checks": {"enable_sanity_checks": True},
-        "stage": {"stage": 2},
-        "shard_size": {"odc": {"enabled": True, "shard_size": 2}},  # 2 does not divide 1 rank
-    }
-    out = {}
-    for option, zero in cases.items():
-        try:
-            build(tiny_llama(), ds_config(True, extra_zero=zero))
-            out[option] = "accepted"
-        except Exception as err:  # noqa: BLE001
-            out[option] = f"{type(err).__name__}: {err}"
-    try:
-        build(tiny_llama(), dict(ds_config(True), fp16={"enabled": True}))
-        out["fp16.enabled"] = "accepted"
-    except Exception as err:  # noqa: BLE001
-        out["fp16.enabled"] = f"{type(err).__name__}: {err}"
+    """Every option ODC refuses raises ValueError naming it at deepspeed.initialize; for each refusal that the ds_config
+    alone decides (ds_odc.zero.validate.CONFIG_RULES, each rule's examples planted in turn), also what
+    ``python -m ds_odc check`` reports for the same config."""
+    from _support.launch import expect_error
+    from ds_odc.cli.check import check
+    from ds_odc.zero.validate import CONFIG_RULES
+
+    def planted(example: dict) -> dict:
+        config = ds_config(True)
+        for key, value in example.items():
+            config[key] = {**config[key], **value} if isinstance(value, dict) and key in config else value
+        return config
+
+    out = {"rules": {}}
+    for rule in CONFIG_RULES:
+        for example in rule.examples:
+            config = planted(example)
+            out["rules"][f"{rule.refusal.__name__} {example}"] = {
+                "initialize": expect_error(lambda: build(tiny_llama(), config)), "check": check(config).problems}
+    # Decided by the job, not the file: 2 does not divide 1 rank.
+    out["shard_size"] = expect_error(lambda: build(tiny_llama(), planted({"zero_optimization": {
+        "odc": {"enabled": True, "shard_size": 2}}})))
     if rank_world()[0] == 0:
         emit(out)
 
