@@ -1,9 +1,10 @@
 """The SFT training loop: DeepSpeed ZeRO-3, with or without ODC, balanced by the sampler's planner.
 
-One loop to read top to bottom: :func:`train` builds the engine and the sampler, then every optimizer step trains
-the microbatches the planner gave this rank (any number, 0 included), meets the other ranks at the step, and feeds
-the step's measured busy times back to the automatic cost. ``examples/sft.py`` is its command line (the flags are
-:func:`ds_odc.recipes.sft.sft_argument_parser`'s); ``examples/compare.py`` and the benchmarks call :func:`train`.
+One loop to read top to bottom: :class:`SftRun` builds the engine and the sampler, then every optimizer step
+(:meth:`SftRun.step`) trains the microbatches the planner gave this rank (any number, 0 included), meets the other
+ranks at the step, and feeds the step's measured busy times back to the automatic cost; :func:`train` runs it to the
+end. ``examples/sft.py`` is its command line (the flags are :func:`ds_odc.recipes.sft.sft_argument_parser`'s); the
+benchmarks call :func:`train`, ``examples/compare.py`` steps several runs in turn.
 
 The logged loss is the global mean token loss of each minibatch, the same quantity in every mode, so stock and ODC
 runs can be compared step by step. ``--metrics-json`` writes per-step throughput, bubble rate and per-rank
@@ -33,7 +34,7 @@ from ds_odc.training.profiling import decoder_layers, describe, profile_step
 from ds_odc.training.sequence_parallel import SequenceParallel
 from ds_odc.zero.engine import lockstep_waits, tag_minibatch
 
-__all__ = ["main", "train", "build_model", "engine_config", "draw_timeline"]
+__all__ = ["main", "train", "SftRun", "build_model", "engine_config", "draw_timeline"]
 
 
 def main(argv: list[str] | None = None, description: str | None = None) -> None:
@@ -45,74 +46,100 @@ def main(argv: list[str] | None = None, description: str | None = None) -> None:
 
 
 def train(args) -> dict | None:
-    """One run in an initialised process group (several may follow each other, as in ``examples/compare.py``).
+    """One run in an initialised process group (several may follow each other, as in ``benchmarks/offload.py``).
     Returns, on rank 0, the metrics that ``--metrics-json`` writes (None on the other ranks)."""
-    import deepspeed
-    import torch.distributed as dist
+    run = SftRun(args)
+    while run.step() is not None:
+        pass
+    return run.finish()
 
-    rank, world = dist.get_rank(), dist.get_world_size()
-    device = torch.device("cuda", torch.cuda.current_device()) if torch.cuda.is_available() else torch.device("cpu")
 
-    # 1. Engine: the model under ZeRO-3 (ODC when the ds_config says "odc": true).
-    ds_config, odc_on = engine_config(args)
-    lengths, token_ids = samples_from_args(args)
-    model = build_model(args, ds_config, device)
-    params = [p for p in model.parameters() if p.requires_grad]
-    engine, *_ = deepspeed.initialize(model=model, model_parameters=params, config=ds_config)
-    if device.type == "cuda":
-        plan_attention(model, args, lengths, device, next(model.parameters()).dtype)
-        torch.cuda.empty_cache()
-        torch.cuda.reset_peak_memory_stats()  # peak memory of training, not of building the unpartitioned model
+class SftRun:
+    """One SFT run, a minibatch at a time: the constructor builds the engine and the sampler, each :meth:`step`
+    trains the next minibatch on every rank and returns its gathered record (None when the run has trained all its
+    steps), :meth:`finish` reports and destroys the engine. :func:`train` steps one run to its end;
+    ``examples/compare.py`` keeps several runs alive and steps them in turn, so that each minibatch is timed under
+    every mode within moments of each other. Every rank must call the same runs' steps in the same order."""
 
-    # 2. Sampler: every optimizer step's minibatch, planned over the ranks (each rank gets its own microbatches).
-    split = split_policy_from_args(args, model.config)  # how samples split over groups of ranks (lb-mini-sp)
-    sp = None if split is None else SequenceParallel(split, timeout_s=odc_config_from_ds_config(ds_config).timeout_s)
-    sampler = BalancedBatchSampler(lengths.tolist(), world_size=world, rank=rank, minibatch_size=args.minibatch_size,
-                                   max_tokens=args.max_tokens, planner=args.balancer, seed=args.seed,
-                                   shuffle=not args.no_shuffle, cost=cost_from_args(args, model.config),
-                                   oversize=args.oversize, model_config=model.config, split=split)
-    if rank == 0 and sampler.data_report.message():
-        print(sampler.data_report.message(), flush=True)
-    collate = PackedCollator()
-    vocab = model.config.vocab_size
+    def __init__(self, args):
+        import deepspeed
+        import torch.distributed as dist
 
-    def sample(j: int, truncated: bool) -> dict:
-        ids = torch.as_tensor(token_ids[j]) if token_ids else sample_tokens(j, int(lengths[j]), vocab, args.seed)
-        return {"input_ids": ids[:sampler.token_limit] if truncated else ids}
+        self.args = args
+        self.rank, self.world = dist.get_rank(), dist.get_world_size()
+        self.device = device = (torch.device("cuda", torch.cuda.current_device()) if torch.cuda.is_available()
+                                else torch.device("cpu"))
+
+        # 1. Engine: the model under ZeRO-3 (ODC when the ds_config says "odc": true).
+        ds_config, self.odc_on = engine_config(args)
+        self.lengths, self.token_ids = samples_from_args(args)
+        self.model = model = build_model(args, ds_config, device)
+        params = [p for p in model.parameters() if p.requires_grad]
+        self.engine, *_ = deepspeed.initialize(model=model, model_parameters=params, config=ds_config)
+        if device.type == "cuda":
+            plan_attention(model, args, self.lengths, device, next(model.parameters()).dtype)
+            torch.cuda.empty_cache()
+            torch.cuda.reset_peak_memory_stats()  # peak memory of training, not of building the unpartitioned model
+
+        # 2. Sampler: every optimizer step's minibatch, planned over the ranks (each rank gets its own microbatches).
+        self.split = split = split_policy_from_args(args, model.config)  # how samples split over groups (lb-mini-sp)
+        self.sp = (None if split is None else
+                   SequenceParallel(split, timeout_s=odc_config_from_ds_config(ds_config).timeout_s))
+        self.sampler = BalancedBatchSampler(
+            self.lengths.tolist(), world_size=self.world, rank=self.rank, minibatch_size=args.minibatch_size,
+            max_tokens=args.max_tokens, planner=args.balancer, seed=args.seed, shuffle=not args.no_shuffle,
+            cost=cost_from_args(args, model.config), oversize=args.oversize, model_config=model.config, split=split)
+        if self.rank == 0 and self.sampler.data_report.message():
+            print(self.sampler.data_report.message(), flush=True)
+        self.collate = PackedCollator()
+        self.steps = min(args.steps, len(self.sampler))
+        self.progress = (_progress_bar(self.steps, f"{'odc' if self.odc_on else 'stock'}+{args.balancer}", args)
+                         if self.rank == 0 else None)
+        self.clock = StepClock()
+        self.records: list[StepRecord] = []
+        self.profile = None
+        self.split_samples = 0  # split samples this rank trained a slice of
+        self._batches = iter(self.sampler)
+
+    def _sample(self, j: int, truncated: bool) -> dict:
+        ids = (torch.as_tensor(self.token_ids[j]) if self.token_ids else
+               sample_tokens(j, int(self.lengths[j]), self.model.config.vocab_size, self.args.seed))
+        return {"input_ids": ids[:self.sampler.token_limit] if truncated else ids}
 
     # 3. The loop: one optimizer step per minibatch.
-    steps = min(args.steps, len(sampler))
-    progress = _progress_bar(steps, f"{'odc' if odc_on else 'stock'}+{args.balancer}", args) if rank == 0 else None
-    clock = StepClock()
-    records: list[StepRecord] = []
-    profile = None
-    split_samples = 0  # split samples this rank trained a slice of
-    for step, batch in zip(range(steps), sampler):
-        split_samples += len(batch.splits)
+    def step(self) -> StepRecord | None:
+        """Train the next minibatch (one optimizer step) and return its record, the same on every rank; None once
+        the run's steps are done."""
+        step = len(self.records)
+        if step >= self.steps:
+            return None
+        args, engine, device, world, batch = self.args, self.engine, self.device, self.world, next(self._batches)
+        self.split_samples += len(batch.splits)
         # Each microbatch's loss sum times W / N is its share of the global mean over the minibatch's N label
         # tokens, however the samples are spread over ranks and microbatches (ds_odc.training.loss).
         tag_minibatch(engine, batch)  # the step checks that every rank trains this same minibatch
         weight = global_mean_weight(batch.num_label_tokens, world)
-        profiling = (profile_step(args.profile_dir, rank, decoder_layers(model), python_stacks=args.profile_python)
+        profiling = (profile_step(args.profile_dir, self.rank, decoder_layers(self.model),
+                                  python_stacks=args.profile_python)
                      if step == args.profile_step else contextlib.nullcontext())
-        clock.start()
+        self.clock.start()
         # summed on the device: reading a microbatch's loss on the host would wait for its backward, every microbatch
         loss_share = torch.zeros((), dtype=torch.float64, device=device)
         k = len(batch.microbatches)  # differs between ranks under lb-mini
         with profiling as profiled:
             for i, mb in enumerate(batch.microbatches):
-                samples = [sample(j, j in batch.truncated) for j in mb]
+                samples = [self._sample(j, j in batch.truncated) for j in mb]
                 engine.set_gradient_accumulation_boundary(i == k - 1)
                 if mb[0] in batch.splits:  # a sample split over a group of ranks: this rank trains its slice
-                    piece = sp.slice(samples[0], batch.splits[mb[0]], device=device)
-                    with sp.run(piece):  # forward and backward over the group
+                    piece = self.sp.slice(samples[0], batch.splits[mb[0]], device=device)
+                    with self.sp.run(piece):  # forward and backward over the group
                         # labels switch the model's loss on; shift_labels, shifted over the whole sample, replace them
                         loss = engine(input_ids=piece.input_ids, position_ids=piece.position_ids,
                                       labels=piece.shift_labels, shift_labels=piece.shift_labels,
                                       num_items_in_batch=1 / weight).loss
                         engine.backward(loss, scale_wrt_gas=False)
                 else:
-                    row = on_device(collate(samples), device)
+                    row = on_device(self.collate(samples), device)
                     loss = engine(**row, num_items_in_batch=1 / weight).loss  # the sum divided by N / W
                     engine.backward(loss, scale_wrt_gas=False)
                 engine.step()  # the optimizer steps after the last microbatch only (the boundary)
@@ -121,46 +148,55 @@ def train(args) -> dict | None:
                 engine.set_gradient_accumulation_boundary(True)
                 engine.step()
         if profiled is not None:
-            profile = profiled
+            self.profile = profiled
 
         # 4. Measure: every rank's busy time and load, gathered once; the automatic cost refits from it.
-        busy, step_time = clock.finish(getattr(engine.optimizer, "odc_wait_s", 0.0))
-        tokens, sq_tokens = sampler.load(batch.microbatches, batch.splits)  # as the plan counts them
+        busy, step_time = self.clock.finish(getattr(engine.optimizer, "odc_wait_s", 0.0))
+        tokens, sq_tokens = self.sampler.load(batch.microbatches, batch.splits)  # as the plan counts them
         device_wait = lockstep_waits(engine) or 0.0  # odc.lockstep's meetings on CUDA: waits inside busy
         record = gather_step(loss_share, busy, step_time, k, tokens, batch.num_samples, sq_tokens=sq_tokens,
                              device_wait_s=device_wait)
         if step != args.profile_step:  # the profiler's own overhead is no cost of the plan
-            update = sampler.observe(record)  # the same gathered record on every rank: the same refit
+            update = self.sampler.observe(record)  # the same gathered record on every rank: the same refit
             record.cost = update.as_dict() if update else None
-        records.append(record)
-        if progress is not None:
-            progress.set_postfix(loss=f"{record.loss:.4f}", samples_s=f"{record.samples_per_s:.2f}",
-                                 bubble=f"{record.bubble_rate:.1%}")
-            progress.update()
-    if progress is not None:
-        progress.close()
+        self.records.append(record)
+        if self.progress is not None:
+            self.progress.set_postfix(loss=f"{record.loss:.4f}", samples_s=f"{record.samples_per_s:.2f}",
+                                      bubble=f"{record.bubble_rate:.1%}")
+            self.progress.update()
+        return record
 
     # 5. Report (rank 0).
-    out = None
-    if rank == 0:
-        config = {k: v for k, v in vars(args).items() if k != "local_rank"}
-        config.update(world_size=world, odc=odc_on, lockstep=lockstep_waits(engine) is not None, device=str(device),
-                      deepspeed_version=deepspeed.__version__)
-        out = {"config": config, "data": sampler.data_report.as_dict(), "steps": [r.as_dict() for r in records],
-               "summary": summarize(records, args.warmup_steps, world, untimed=[args.profile_step]),
-               "split_samples_rank0": split_samples}
-        if profile:
-            out["profile_rank0"] = profile
-            print(f"profile of step {args.profile_step} (rank 0): {describe(profile)}; files in "
-                  f"{args.profile_dir}/", flush=True)
-        if args.metrics_json:
-            Path(args.metrics_json).write_text(json.dumps(out, indent=1))
-        if not args.quiet:
-            _print_summary(out["summary"], records)
-        if args.timeline:
-            draw_timeline(records[-min(len(records), 4):], args.timeline)
-    engine.destroy()
-    return out
+    def finish(self) -> dict | None:
+        """Report (rank 0: print, ``--metrics-json``, ``--timeline``) and destroy the engine. Returns, on rank 0, the
+        run's metrics (None on the other ranks)."""
+        import deepspeed
+
+        args, records = self.args, self.records
+        if self.progress is not None:
+            self.progress.close()
+        out = None
+        if self.rank == 0:
+            config = {k: v for k, v in vars(args).items() if k != "local_rank"}
+            config.update(world_size=self.world, odc=self.odc_on, lockstep=lockstep_waits(self.engine) is not None,
+                          device=str(self.device),
+                          deepspeed_version=deepspeed.__version__)
+            out = {"config": config, "data": self.sampler.data_report.as_dict(),
+                   "steps": [r.as_dict() for r in records],
+                   "summary": summarize(records, args.warmup_steps, self.world, untimed=[args.profile_step]),
+                   "split_samples_rank0": self.split_samples}
+            if self.profile:
+                out["profile_rank0"] = self.profile
+                print(f"profile of step {args.profile_step} (rank 0): {describe(self.profile)}; files in "
+                      f"{args.profile_dir}/", flush=True)
+            if args.metrics_json:
+                Path(args.metrics_json).write_text(json.dumps(out, indent=1))
+            if not args.quiet:
+                _print_summary(out["summary"], records)
+            if args.timeline:
+                draw_timeline(records[-min(len(records), 4):], args.timeline)
+        self.engine.destroy()
+        return out
 
 
 def engine_config(args) -> tuple[dict, bool]:
