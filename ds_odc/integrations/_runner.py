@@ -90,7 +90,7 @@ from ds_odc.training.loss import count_loss_tokens, use_chunked_loss
 from ds_odc.training.metrics import StepClock, StepRecord, record_from_rows
 from ds_odc.training.sequence_parallel import ATTENTION_NAME as SP_ATTENTION_NAME
 from ds_odc.training.sequence_parallel import SequenceParallel
-from ds_odc.zero.engine import tag_minibatch
+from ds_odc.zero.engine import tag_minibatch, wait_seconds
 
 logger = logging.get_logger(__name__)
 
@@ -294,7 +294,7 @@ class OdcRunner(StepRunner):
         set_sync_gradients(trainer.accelerator, True)
         engine.set_gradient_accumulation_boundary(True)
         engine.step()
-        busy, step_time = clock.finish(float(getattr(engine.optimizer, "odc_wait_s", 0.0)))
+        busy, step_time = clock.finish(wait_seconds(engine))
         return StepTimes(total, busy, step_time, len(microbatches))
 
     def meet(self, times: StepTimes, tokens: int, sq_tokens: float, num_samples: int, payload: Any = None,

@@ -32,7 +32,7 @@ from ds_odc.training.loss import global_mean_weight
 from ds_odc.training.metrics import StepClock, StepRecord, gather_step, summarize
 from ds_odc.training.profiling import decoder_layers, describe, profile_step
 from ds_odc.training.sequence_parallel import SequenceParallel
-from ds_odc.zero.engine import lockstep_waits, tag_minibatch
+from ds_odc.zero.engine import lockstep_waits, tag_minibatch, wait_seconds
 
 __all__ = ["main", "train", "SftRun", "build_model", "engine_config", "draw_timeline"]
 
@@ -151,7 +151,7 @@ class SftRun:
             self.profile = profiled
 
         # 4. Measure: every rank's busy time and load, gathered once; the automatic cost refits from it.
-        busy, step_time = self.clock.finish(getattr(engine.optimizer, "odc_wait_s", 0.0))
+        busy, step_time = self.clock.finish(wait_seconds(engine))
         tokens, sq_tokens = self.sampler.load(batch.microbatches, batch.splits)  # as the plan counts them
         device_wait = lockstep_waits(engine) or 0.0  # odc.lockstep's meetings on CUDA: waits inside busy
         record = gather_step(loss_share, busy, step_time, k, tokens, batch.num_samples, sq_tokens=sq_tokens,

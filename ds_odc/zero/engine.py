@@ -15,8 +15,20 @@ from ds_odc.zero.host_step import HostStepTimes
 from ds_odc.zero.minibatch import MinibatchTag
 from ds_odc.zero.optimizer import OdcOptimizer
 
-__all__ = ["tag_minibatch", "holds_replica", "host_step_timer", "symmetric_device_bytes", "destroy_engine",
-           "lockstep_waits"]
+__all__ = ["is_odc", "wait_seconds", "tag_minibatch", "holds_replica", "host_step_timer", "symmetric_device_bytes",
+           "destroy_engine", "lockstep_waits"]
+
+
+def is_odc(engine) -> bool:
+    """Whether ``engine`` trains under ODC: the one answer to "is ODC on?" for code above ``ds_odc.zero``."""
+    return isinstance(getattr(engine, "optimizer", None), OdcOptimizer)
+
+
+def wait_seconds(engine) -> float:
+    """Seconds the last optimizer step of ``engine`` waited for other ranks on the host (ODC's fence and barrier;
+    0.0 for a stock engine, whose waits hide inside its collectives)."""
+    optimizer = getattr(engine, "optimizer", None)
+    return float(optimizer.odc_wait_s) if isinstance(optimizer, OdcOptimizer) else 0.0
 
 
 def tag_minibatch(engine, batch: Any = None, *, epoch: int | None = None, step: int | None = None,
