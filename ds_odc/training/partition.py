@@ -13,12 +13,13 @@ GPU's settings changes: not its compute mode, clocks or MIG layout), runs the co
 at ``100 // N`` percent of the SMs (``DS_ODC_SHARED_GPU=partition``), and stops the daemon afterwards, also when the
 command fails. :func:`gpu_partitions` does the same around launches of your own (the benchmarks' ``--partition-gpu``).
 
-What partitions model and what they do not: each rank computes on its own share of the SMs, and waits for the others
-as it would on its own GPU. Memory bandwidth, the L2 cache, the copy engines and the GPU's power budget stay shared:
-a partition whose neighbours are idle runs faster than one whose neighbours are busy (measured on an H100: a bf16
-matrix product at 1/2 of the SMs runs at 0.64 of the whole GPU's rate alone and 0.49 with the other half busy), so a
-rank that runs while others wait is helped, which shortens exactly the waits ODC removes: partitions understate the
-gain of balancing. One-sided traffic between ranks stays on the device instead of crossing NVLink.
+What partitions model and what they do not (docs/GPU.md has the measurements): each rank computes on its own share
+of the SMs (a bf16 matrix product at 1/2 and 1/4 of an H100's SMs ran at 0.49 and 0.25 of the whole GPU's rate with
+the other partitions busy), and waits for the others as it would on its own GPU. The GPU's power budget, memory
+bandwidth, L2 cache and copy engines stay shared: a partition whose neighbours idle runs at a higher clock (0.65 and
+0.36 of the whole GPU's rate alone), so a rank that runs while others wait is helped, which shortens exactly the
+waits ODC removes: partitions understate the gain of meeting less. One-sided traffic between ranks stays on the
+device instead of crossing NVLink.
 """
 
 from __future__ import annotations
