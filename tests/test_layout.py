@@ -305,3 +305,20 @@ def test_nothing_outside_zero_reaches_into_the_optimizer():
                for line, attr in _optimizer_reaches(tree) if attr not in OPTIMIZER_SURFACE]
     assert not reaches, (f"{reaches}: outside ds_odc/zero/ use only {sorted(OPTIMIZER_SURFACE)} of the optimizer, or a "
                          "function of ds_odc.zero.engine that takes the engine (add one there if you need more)")
+
+
+def _clashing_test_modules(paths: list[Path]) -> dict[str, list[str]]:
+    """Test files that share a basename: pytest imports test modules by basename (the test folders are not packages),
+    so the second one fails to collect on a clean checkout ("import file mismatch")."""
+    by_name: dict[str, list[str]] = {}
+    for path in paths:
+        by_name.setdefault(path.name, []).append(str(path))
+    return {name: sorted(found) for name, found in by_name.items() if len(found) > 1}
+
+
+def test_test_modules_have_distinct_names():
+    planted = [Path("tests/a/test_x.py"), Path("tests/b/test_x.py"), Path("tests/b/test_y.py")]
+    assert _clashing_test_modules(planted) == {"test_x.py": ["tests/a/test_x.py", "tests/b/test_x.py"]}
+    tests = Path(__file__).resolve().parent
+    clashes = _clashing_test_modules(sorted(tests.rglob("test_*.py")))
+    assert not clashes, f"rename one of each: {clashes}"
