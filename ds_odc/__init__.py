@@ -83,7 +83,15 @@ def patch() -> None:
     privates.install_optimizer_hook(OdcOptimizer, prepare_engine)
     privates.install_zero_init_group(shard_group_for)
     privates.install_checkpoint_writers(holds_replica)
+    privates.install_planned_loop(_planned_loader)
     _patched = True
+
+
+def _planned_loader(engine, dataset, collate_fn):
+    """``deepspeed.initialize(training_data=...)``'s loader under ``zero_optimization.odc.balancer`` (imported when
+    first built)."""
+    from ds_odc.training.planned_loader import make_planned_loader
+    return make_planned_loader(engine, dataset, collate_fn)
 
 
 class _PatchAfterDeepSpeedImport(importlib.abc.MetaPathFinder):

@@ -21,7 +21,50 @@ from deepspeed.runtime.zero.config import DeepSpeedZeroConfig
 from pydantic import BaseModel, Field, PositiveInt, ValidationError, field_validator, model_validator
 from pydantic_core import PydanticCustomError
 
-__all__ = ["OdcConfig", "OdcZeroConfig", "odc_config_from_ds_config"]
+__all__ = ["BalancerConfig", "OdcConfig", "OdcZeroConfig", "odc_config_from_ds_config"]
+
+
+class BalancerConfig(DeepSpeedConfigModel):
+    """LB-Mini in the stock DeepSpeed loop: ``deepspeed.initialize(training_data=...)`` returns a loader that yields
+    this rank's microbatches of each planned minibatch, and the engine follows the plan (the accumulation boundary at
+    each rank's last microbatch, each microbatch's loss weighted in ``engine.backward`` so the update is the gradient
+    of the minibatch's global mean loss, the step's identity checked where the ranks meet)."""
+
+    planner: Literal["lb-mini", "lb-micro", "local-sort"] = "lb-mini"
+    """``lb-mini``: any number of microbatches per rank, balanced per minibatch (ODC only). ``lb-micro``: balanced,
+    the same count on every rank; ``local-sort``: each rank sorts its own samples (both run on stock ZeRO-3 too)."""
+
+    minibatch_size: Optional[PositiveInt] = None
+    """Samples per rank in one minibatch (one optimizer step trains this many times the number of ranks). Default:
+    ``train_batch_size`` divided by the number of ranks (``train_micro_batch_size_per_gpu`` x
+    ``gradient_accumulation_steps``)."""
+
+    max_tokens: Optional[PositiveInt] = None
+    """Token budget of one microbatch (samples are packed up to it). ``None``: one sample per microbatch."""
+
+    cost: Literal["auto", "tokens", "quadratic"] = "auto"
+    """What the planner balances. ``auto``: a cost fitted from the engine's own measured step times (one small
+    all-gather per step), starting from the model's shape. ``tokens``: tokens. ``quadratic``: the model's training
+    FLOPs per sample (needs a Hugging Face model config)."""
+
+    oversize: Literal["error", "truncate", "skip"] = "error"
+    """A sample longer than ``max_tokens``: ``error`` (refused when the loader is built, naming it), ``truncate``
+    (its first ``max_tokens`` tokens are trained) or ``skip`` (left out of every epoch, counted in a log line)."""
+
+    loss: Literal["token_mean", "sample_mean", "sum"] = "token_mean"
+    """What the loss handed to ``engine.backward`` is for one microbatch: ``token_mean``, the mean over its label
+    tokens (a Hugging Face causal LM's ``outputs.loss``); ``sample_mean``, the mean over its samples; ``sum``, the
+    sum over its label tokens. Each microbatch's loss is weighted so that the step trains the mean over all label
+    tokens (``token_mean``, ``sum``) or all samples (``sample_mean``) of the minibatch, on whichever rank they are."""
+
+    length_column: str = "input_ids"
+    """The field of each sample with its tokens (whose length is read) or with its length."""
+
+    seed: int = 0
+    """Seed of each epoch's shuffle (every rank draws the same minibatches)."""
+
+    shuffle: bool = True
+    """Shuffle the samples each epoch; ``false``: minibatches in dataset order."""
 
 
 class OdcConfig(DeepSpeedConfigModel):
@@ -76,6 +119,27 @@ class OdcConfig(DeepSpeedConfigModel):
     """GPU only: how NVSHMEM starts. ``uid``: its unique id is sent over torch.distributed; ``mpi``: over mpi4py;
     ``mpi-native``: NVSHMEM's own MPI bootstrap plugin (must match the MPI library in use); ``auto``: ``mpi`` when
     launched by mpirun, else ``uid``."""
+
+    balancer: Optional[BalancerConfig] = None
+    """Balance the stock DeepSpeed loop: with it, ``deepspeed.initialize(training_data=dataset, collate_fn=...)``
+    returns a loader of this rank's planned microbatches and the plain ``loss = engine(batch);
+    engine.backward(loss); engine.step()`` trains LB-Mini (see :class:`BalancerConfig`). ``None``: the loader and the
+    loop are stock's (ODC then needs the same number of microbatches on every rank, as stock ZeRO-3 does)."""
+
+    @model_validator(mode="after")
+    def _balancer_fits(self):
+        if self.balancer is None:
+            return self
+        planner = self.balancer.planner
+        if planner == "lb-mini" and not self.enabled:
+            raise ValueError("zero_optimization.odc.balancer.planner 'lb-mini' gives ranks different numbers of "
+                             "microbatches, which only ODC trains: turn ODC on (zero_optimization.odc.enabled), or "
+                             "choose the planner 'lb-micro' for stock ZeRO-3")
+        if planner == "lb-mini" and self.lockstep:
+            raise ValueError("zero_optimization.odc.lockstep needs the same number of microbatches on every rank, "
+                             "which zero_optimization.odc.balancer.planner 'lb-mini' does not give: choose 'lb-micro' "
+                             "or 'local-sort' for the lock-step baseline")
+        return self
 
     @model_validator(mode="after")
     def _lockstep_alone(self):

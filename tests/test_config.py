@@ -63,6 +63,28 @@ def test_lockstep_is_off_by_default_and_refused_with_hybrid_sharding():
     assert "zero_optimization.odc.lockstep" in message and "zero_optimization.odc.shard_size" in message, message
 
 
+def test_the_balancer_block_is_checked_where_it_is_written():
+    zero = {"stage": 3, "odc": {"balancer": {"max_tokens": 4096}}}
+    balancer = get_zero_config({"zero_optimization": zero}).odc.balancer
+    assert (balancer.planner, balancer.max_tokens, balancer.cost, balancer.loss) == ("lb-mini", 4096, "auto",
+                                                                                    "token_mean")
+    assert get_zero_config({"zero_optimization": {"stage": 3, "odc": True}}).odc.balancer is None
+    refused = {
+        "lb-mini needs ODC": ({"enabled": False, "balancer": {}}, "turn ODC on"),
+        "lb-mini cannot lock-step": ({"lockstep": True, "balancer": {}}, "choose 'lb-micro'"),
+        "a misspelt key": ({"balancer": {"planer": "lb-micro"}}, "did you mean 'planner'?"),
+        "an unknown planner": ({"balancer": {"planner": "lb-max"}}, "zero_optimization.odc.balancer.planner"),
+        "a budget of 0": ({"balancer": {"max_tokens": 0}}, "zero_optimization.odc.balancer.max_tokens"),
+    }
+    for what, (odc, said) in refused.items():
+        with pytest.raises(pydantic.ValidationError) as err:
+            get_zero_config({"zero_optimization": {"stage": 3, "odc": odc}})
+        assert said in str(err.value), (what, str(err.value))
+    stock = get_zero_config({"zero_optimization": {"stage": 3, "odc": {"enabled": False,
+                                                                      "balancer": {"planner": "lb-micro"}}}})
+    assert stock.odc.balancer.planner == "lb-micro"  # collective-compatible planners balance stock ZeRO-3 too
+
+
 def test_other_zero_keys_still_strict():
     with pytest.raises(pydantic.ValidationError):
         get_zero_config({"zero_optimization": {"stage": 3, "odc": True, "no_such_key": 1}})

@@ -44,7 +44,7 @@ from .plan import OVERSIZE_POLICIES, effective_lengths
 from .planners import DEFAULT_PLANNER, get_planner, plan_minibatch
 from .sp import SplitPolicy
 
-__all__ = ["RankBatch", "BalancedBatchSampler", "auto_cost_prior"]
+__all__ = ["RankBatch", "BalancedBatchSampler", "auto_cost_prior", "last_drawn"]
 
 logger = logging.getLogger("ds_odc.balancer")
 
@@ -81,6 +81,17 @@ class RankBatch:
     @property
     def num_label_tokens(self) -> int:
         return self.num_tokens - self.num_samples
+
+
+_last_drawn: RankBatch | None = None
+
+
+def last_drawn() -> RankBatch | None:
+    """The :class:`RankBatch` that a :class:`BalancedBatchSampler` of this process yielded last, iterating. ODC's
+    optimizer step takes it as the minibatch's identity when the loop did not tag the step itself
+    (``ds_odc.tag_minibatch``): a rank with no microbatch in a minibatch that skips ``engine.step()`` then steps the
+    next one's identity while the others step this one's, and every rank is told at that step, naming it."""
+    return _last_drawn
 
 
 class BalancedBatchSampler:
@@ -250,9 +261,11 @@ class BalancedBatchSampler:
         The state advances as each batch is yielded, so :meth:`state_dict` taken after consuming batch ``s``
         resumes at ``s + 1``.  (If a DataLoader prefetches ahead of training, save ``batch.step + 1`` yourself.)
         """
+        global _last_drawn
         while self._step < len(self):
             batch = self.minibatch(self._step)
             self._step += 1
+            _last_drawn = batch
             yield batch
         self._step = 0
 

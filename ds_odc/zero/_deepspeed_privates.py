@@ -75,6 +75,7 @@ def check_deepspeed() -> None:
             (Coordinator, "reset_step"),
             (DeepSpeedEngine, "_configure_zero_optimizer"),
             (DeepSpeedEngine, "_configure_checkpointing"),
+            (DeepSpeedEngine, "deepspeed_io"),
             (DeepSpeedConfig, "_initialize_params"),
             (coordinator_module, "assert_ints_same_as_other_ranks"),
             (coordinator_module, "iter_params"),
@@ -211,6 +212,65 @@ def install_checkpoint_writers(is_replica) -> None:
 
     _configure_checkpointing._ds_odc_hook = True
     DeepSpeedEngine._configure_checkpointing = _configure_checkpointing
+
+
+def install_planned_loop(make_loader) -> None:
+    """Why: ``deepspeed.initialize(training_data=...)`` builds its training loader with ``DeepSpeedEngine.deepspeed_io``
+    and the stock loop's ``backward`` and accumulation boundary follow the configured ``gradient_accumulation_steps``;
+    with ``zero_optimization.odc.balancer`` the loader is ``make_loader(engine, dataset, collate_fn)`` instead, and the
+    engine follows the plan it attaches (:mod:`ds_odc.zero.planned`): ``backward`` weighs the loss by the current
+    microbatch's weight (not 1/gradient_accumulation_steps), and the batch-size questions answer for the plan."""
+    from deepspeed.runtime.engine import ROUTE_TRAIN, DeepSpeedEngine
+
+    from ds_odc.zero.planned import plan_of
+
+    if getattr(DeepSpeedEngine.deepspeed_io, "_ds_odc_hook", False):
+        return
+    stock_io = DeepSpeedEngine.deepspeed_io
+    stock_backward = DeepSpeedEngine.backward
+    stock_gas = DeepSpeedEngine.gradient_accumulation_steps
+    stock_micro = DeepSpeedEngine.train_micro_batch_size_per_gpu
+    stock_batch = DeepSpeedEngine.train_batch_size
+
+    @functools.wraps(stock_io)
+    def deepspeed_io(engine, dataset, batch_size=None, route=ROUTE_TRAIN, pin_memory=True, data_sampler=None,
+                     collate_fn=None, num_local_io_workers=None):
+        balancer = getattr(getattr(engine._config.zero_config, "odc", None), "balancer", None)
+        if balancer is None or route != ROUTE_TRAIN or data_sampler is not None:
+            return stock_io(engine, dataset, batch_size, route, pin_memory, data_sampler, collate_fn,
+                            num_local_io_workers)
+        return make_loader(engine, dataset, collate_fn if collate_fn is not None else engine.collate_fn)
+
+    @functools.wraps(stock_backward)
+    def backward(engine, loss, retain_graph=False, scale_wrt_gas=True):
+        plan = plan_of(engine)
+        if plan is None or plan.current is None:
+            return stock_backward(engine, loss, retain_graph=retain_graph, scale_wrt_gas=scale_wrt_gas)
+        weighted = stock_backward(engine, plan.weigh(loss), retain_graph=retain_graph, scale_wrt_gas=False)
+        plan.backward_ended()
+        return weighted
+
+    @functools.wraps(stock_gas)
+    def gradient_accumulation_steps(engine):
+        plan = plan_of(engine)
+        return stock_gas(engine) if plan is None or plan.current is None else plan.current.count
+
+    @functools.wraps(stock_micro)
+    def train_micro_batch_size_per_gpu(engine):
+        plan = plan_of(engine)
+        return stock_micro(engine) if plan is None or plan.current is None else plan.current.samples
+
+    @functools.wraps(stock_batch)
+    def train_batch_size(engine):
+        plan = plan_of(engine)
+        return stock_batch(engine) if plan is None else plan.minibatch_samples
+
+    for name, method in [("deepspeed_io", deepspeed_io), ("backward", backward),
+                         ("gradient_accumulation_steps", gradient_accumulation_steps),
+                         ("train_micro_batch_size_per_gpu", train_micro_batch_size_per_gpu),
+                         ("train_batch_size", train_batch_size)]:
+        method._ds_odc_hook = True
+        setattr(DeepSpeedEngine, name, method)
 
 
 def nvtx_ranges_only_under_a_tool() -> None:

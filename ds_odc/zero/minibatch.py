@@ -6,9 +6,11 @@ forgets ``engine.step()``) is not noticed by the meeting itself: its next step's
 and one update silently mixes two minibatches. When the loop tags each minibatch (:func:`ds_odc.tag_minibatch`:
 its epoch, its step in the epoch and the global label-token count that ``global_mean_weight`` was given), every rank
 posts its tag with its arrival at the fence and reads the others' once all have arrived; ranks on different
-minibatches make every rank raise :class:`MinibatchMismatch` at that step, before any update, naming them. A rank
-whose loop does not tag posts and reads nothing, so an untagged loop's step costs what it did; a rank that skips
-tagging while others tag is named by them.
+minibatches make every rank raise :class:`MinibatchMismatch` at that step, before any update, naming them. A loop
+that does not tag but iterates a :class:`~ds_odc.balancer.sampler.BalancedBatchSampler` is tagged by it: the step
+takes the minibatch the sampler drew last (:func:`~ds_odc.balancer.sampler.last_drawn`). A rank with neither posts
+and reads nothing, so such a loop's step costs what it did; a rank that skips tagging while others tag is named by
+them.
 """
 
 from __future__ import annotations
@@ -28,6 +30,13 @@ class MinibatchTag:
     epoch: int | None = None
     step: int | None = None
     label_tokens: int | None = None  # the global count the loss is normalised by (``global_mean_weight``'s)
+
+    @classmethod
+    def of(cls, batch) -> "MinibatchTag | None":
+        """The tag of a sampler's ``RankBatch`` (its epoch, step and global label-token count); None for None."""
+        if batch is None:
+            return None
+        return cls(batch.epoch, batch.step, batch.num_label_tokens)
 
     def encode(self) -> str:
         return ",".join("" if v is None else str(int(v)) for v in (self.epoch, self.step, self.label_tokens))

@@ -46,6 +46,7 @@ import torch.distributed as dist
 from deepspeed.runtime.zero.partition_parameters import ZeroParamStatus
 from torch.profiler import record_function
 
+from ds_odc.balancer.sampler import last_drawn
 from ds_odc.config import OdcConfig
 from ds_odc.ops import make_transport
 from ds_odc.ops.lockstep import LockstepTally
@@ -370,6 +371,8 @@ class OdcState:
         self.wait_s = 0.0
         self.phase = Phase.STEPPING
         tag, self.minibatch = self.minibatch, None
+        if tag is None:  # the loop did not tag: the minibatch its sampler drew last, if it iterates one
+            tag = MinibatchTag.of(last_drawn())
         notes = self.fence("the fence at the optimizer step", note=None if tag is None else tag.encode())
         if notes is not None:
             check_same_minibatch(notes, dist.get_rank())
