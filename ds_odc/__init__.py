@@ -61,6 +61,7 @@ def patch() -> None:
     _import_deepspeed_quietly()
     from ds_odc.config import OdcZeroConfig
     from ds_odc.zero import _deepspeed_privates as privates
+    from ds_odc.training.blocks import transformer_blocks
     from ds_odc.training.compile import compile_blocks_on_engine_compile
     from ds_odc.zero.blocks import fetch_by_block
     from ds_odc.zero.engine import holds_replica
@@ -72,7 +73,7 @@ def patch() -> None:
         if not validate_engine(engine, optimizer):
             return False
         zero_config = engine._config.zero_config
-        fetch_by_block(engine.module, zero_config, zero_config.odc.fetch_unit)
+        fetch_by_block(transformer_blocks(engine.module), zero_config, zero_config.odc.fetch_unit)
         # torch_compile=True (Accelerate calls engine.compile) compiles the blocks, with the hooks outside them
         compile_blocks_on_engine_compile(engine)
         return True

@@ -258,10 +258,11 @@ def test_no_private_name_crosses_modules():
                          "PENDING_PRIVATE_IMPORTS")
 
 
-# What modules outside ds_odc/zero/ may use of an engine's optimizer: the documented public members of OdcOptimizer.
-# Everything else it holds (its OdcState ``odc``, DeepSpeed's buffers and groups, private names) is for ds_odc.zero
-# only; to ask for more, add a function that takes the engine to ds_odc/zero/engine.py.
-OPTIMIZER_SURFACE = {"odc_wait_s", "odc_resident"}
+# What modules outside ds_odc/zero/ may use of an engine's optimizer: nothing (its public members, documented on
+# OdcOptimizer, are read through ds_odc/zero/engine.py). Everything it holds (its OdcState ``odc``, DeepSpeed's
+# buffers and groups, private names) is for ds_odc.zero only; to ask for more, add a function that takes the engine
+# to ds_odc/zero/engine.py.
+OPTIMIZER_SURFACE: set[str] = set()
 ATTRIBUTE_BUILTINS = {"getattr", "hasattr", "setattr", "delattr"}
 
 
@@ -322,3 +323,193 @@ def test_test_modules_have_distinct_names():
     tests = Path(__file__).resolve().parent
     clashes = _clashing_test_modules(sorted(tests.rglob("test_*.py")))
     assert not clashes, f"rename one of each: {clashes}"
+
+
+# -- the DeepSpeed seams call down (see [Note: seams call down] in ds_odc/zero/_deepspeed_privates.py) -----------------
+# A seam class overrides members of one DeepSpeed class (its entry in SEAM_CLASSES) and is inherited by an ODC
+# subclass; what it uses of ``self`` must be its own (defined or declared in its body) or DeepSpeed's, never a method
+# or attribute that only the subclass deriving from it defines: such a call runs upward, where no import shows it.
+PRIVATES = "ds_odc.zero._deepspeed_privates"
+
+
+def _deepspeed_source(module: str) -> Path | None:
+    """The source file of a DeepSpeed module, found without importing DeepSpeed."""
+    import importlib.util
+    spec = importlib.util.find_spec("deepspeed")  # a top-level name: nothing is executed
+    if spec is None or spec.origin is None:
+        return None
+    path = Path(spec.origin).parent.joinpath(*module.split(".")[1:])
+    return path / "__init__.py" if path.is_dir() else path.with_suffix(".py")
+
+
+def _class_members(cls: ast.ClassDef) -> set[str]:
+    """Names a class body defines (methods, class attributes, annotations) and attributes its methods set on self."""
+    names = set()
+    for node in cls.body:
+        if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef, ast.ClassDef)):
+            names.add(node.name)
+        elif isinstance(node, ast.Assign):
+            names.update(t.id for t in node.targets if isinstance(t, ast.Name))
+        elif isinstance(node, ast.AnnAssign) and isinstance(node.target, ast.Name):
+            names.add(node.target.id)
+    for node in ast.walk(cls):
+        targets = node.targets if isinstance(node, ast.Assign) else \
+            [node.target] if isinstance(node, (ast.AnnAssign, ast.AugAssign)) else []
+        for target in targets:
+            for sub in ast.walk(target):
+                if isinstance(sub, ast.Attribute) and isinstance(sub.value, ast.Name) and sub.value.id == "self":
+                    names.add(sub.attr)
+    return names
+
+
+@functools.cache
+def _deepspeed_members(module: str, name: str) -> frozenset[str]:
+    """Members of DeepSpeed's class ``module.name`` and of its DeepSpeed base classes, read from their source."""
+    path = _deepspeed_source(module)
+    tree = ast.parse(path.read_text())
+    cls = next(n for n in tree.body if isinstance(n, ast.ClassDef) and n.name == name)
+    members = _class_members(cls)
+    imported = {}
+    for node in tree.body:
+        if isinstance(node, ast.ImportFrom) and node.level == 0 and (node.module or "").startswith("deepspeed"):
+            imported.update({a.asname or a.name: (node.module, a.name) for a in node.names})
+    for base in cls.bases:
+        if isinstance(base, ast.Name) and base.id in imported:
+            members |= _deepspeed_members(*imported[base.id])
+        elif isinstance(base, ast.Name) and any(isinstance(n, ast.ClassDef) and n.name == base.id for n in tree.body):
+            members |= _deepspeed_members(module, base.id)
+    return frozenset(members)
+
+
+def _upward_reaches(tree: ast.Module, seam_classes: dict) -> list[str]:
+    """``Class.method: self.name`` for every use of ``self`` in a seam class that neither the class nor the DeepSpeed
+    class it overrides for defines; also every class of ``tree`` missing from ``seam_classes``."""
+    found = []
+    for cls in (n for n in tree.body if isinstance(n, ast.ClassDef)):
+        if cls.name not in seam_classes:
+            found.append(f"{cls.name}: not in SEAM_CLASSES")
+            continue
+        known = _class_members(cls) | _deepspeed_members(*seam_classes[cls.name])
+        for fn in (n for n in cls.body if isinstance(n, (ast.FunctionDef, ast.AsyncFunctionDef))):
+            for node in ast.walk(fn):
+                if (isinstance(node, ast.Attribute) and isinstance(node.value, ast.Name) and node.value.id == "self"
+                        and node.attr not in known and not node.attr.startswith("__")):
+                    found.append(f"{cls.name}.{fn.name}: self.{node.attr}")
+    return sorted(set(found))
+
+
+def test_the_seam_check_sees_a_call_up_into_the_subclass():
+    seams = _literals(_modules()[PRIVATES])["SEAM_CLASSES"]
+    planted = ast.parse(
+        "class Stage3Seams:\n"
+        "    odc: OdcState\n"
+        "    def partition_grads(self, params, partitions):\n"
+        "        self.release_full_gradients(params)  # only OdcOptimizer defines it\n"
+        "        self.odc.free_pushed_gradients(params)  # a declared collaborator\n"
+        "        self.helper_flag = self._get_param_partition_group(params[0])  # DeepSpeed's own; set here\n"
+        "        return self.fp16_groups, self.helper_flag, self.__dict__\n"
+        "class Helper:\n"
+        "    pass\n")
+    assert _upward_reaches(planted, seams) == ["Helper: not in SEAM_CLASSES",
+                                               "Stage3Seams.partition_grads: self.release_full_gradients"]
+
+
+def test_seam_classes_call_no_method_of_their_subclasses():
+    seams = _literals(_modules()[PRIVATES])["SEAM_CLASSES"]
+    assert set(seams) == {"Stage3Seams", "CoordinatorSeams"}
+    upward = _upward_reaches(_modules()[PRIVATES], seams)
+    assert not upward, (f"{upward}: a seam class in _deepspeed_privates.py uses what only the class deriving from it "
+                        "defines; forward to a collaborator the seam class declares (see [Note: seams call down])")
+
+
+# -- one answer to "is ODC on?" -----------------------------------------------------------------------------------------
+# Outside ds_odc/zero/ (and the config model), whether an engine or a config runs ODC, and what its step waited, is
+# asked of ds_odc.zero.engine (is_odc, odc_requested, wait_seconds, lockstep_waits, resident_parameters, ...), never
+# by the optimizer's type, its attributes or the config's ``enabled``. The public face installs the optimizer class.
+ODC_OPTIMIZER_NAMES = {"OdcOptimizer"}
+ODC_STATE_ATTRIBUTES = {"odc_wait_s", "odc_lockstep", "odc_host_step_times", "odc_resident"}
+ODC_PREDICATE_OWNERS = ("ds_odc.zero", "ds_odc.config")
+OPTIMIZER_CLASS_INSTALLERS = {"ds_odc"}  # patch() hands OdcOptimizer to DeepSpeed's optimizer hook
+
+
+def _odc_questions(tree: ast.Module, installs: bool = False) -> list[tuple[int, str]]:
+    """(line, what) for every way of asking whether ODC is on, or for its state, other than ds_odc.zero.engine's."""
+    found = []
+    for node in ast.walk(tree):
+        if isinstance(node, ast.Name) and node.id in ODC_OPTIMIZER_NAMES and not installs:
+            found.append((node.lineno, node.id))
+        elif isinstance(node, ast.alias) and node.name in ODC_OPTIMIZER_NAMES and not installs:
+            found.append((getattr(node, "lineno", 0), f"import {node.name}"))
+        elif isinstance(node, ast.Attribute) and node.attr in ODC_STATE_ATTRIBUTES:
+            found.append((node.lineno, node.attr))
+        elif isinstance(node, ast.Constant) and node.value in ODC_STATE_ATTRIBUTES:
+            found.append((node.lineno, repr(node.value)))
+        elif isinstance(node, ast.Attribute) and node.attr == "enabled":
+            owner = node.value
+            if ((isinstance(owner, ast.Name) and owner.id == "odc") or (isinstance(owner, ast.Attribute)
+                                                                         and owner.attr == "odc")
+                    or (isinstance(owner, ast.Call) and "odc_config_from_ds_config" in ast.unparse(owner.func))):
+                found.append((node.lineno, f"{ast.unparse(owner)}.enabled"))
+    return sorted(found)
+
+
+def test_the_odc_question_check_sees_every_way_of_asking():
+    planted = ast.parse("from ds_odc.zero.optimizer import OdcOptimizer\n"
+                        "isinstance(engine.optimizer, OdcOptimizer)\n"
+                        "getattr(engine.optimizer, 'odc_wait_s', 0.0)\n"
+                        "engine.optimizer.odc_lockstep\n"
+                        "odc_config_from_ds_config(config).enabled\n"
+                        "config.zero_config.odc.enabled\n"
+                        "odc.enabled\n"
+                        "self.odc_runner.enabled and is_odc(engine) and odc_requested(config)\n")
+    assert [w for _, w in _odc_questions(planted)] == [
+        "import OdcOptimizer", "OdcOptimizer", "'odc_wait_s'", "odc_lockstep", "odc_config_from_ds_config(config).enabled",
+        "config.zero_config.odc.enabled", "odc.enabled"]
+
+
+def test_one_answer_to_is_odc_on_outside_zero():
+    asked = [f"{name}:{line} {what}" for name, tree in _modules().items()
+             if not any(name == p or name.startswith(p + ".") for p in ODC_PREDICATE_OWNERS)
+             for line, what in _odc_questions(tree, installs=name in OPTIMIZER_CLASS_INSTALLERS)]
+    assert not asked, (f"{asked}: ask ds_odc.zero.engine (is_odc(engine), odc_requested(ds_config), wait_seconds, "
+                       "lockstep_waits, resident_parameters; add a function there if you need more)")
+
+
+# -- compiled blocks without DeepSpeed --------------------------------------------------------------------------------
+DEEPSPEED_FREE = ("ds_odc.training.compile", "ds_odc.training.blocks")  # FSDP2 and plain training use them too
+
+
+def _reachable(module: str, graph: dict[str, set[str]]) -> set[str]:
+    seen, todo = set(), [module]
+    while todo:
+        for nxt in graph.get(todo.pop(), ()):
+            if nxt not in seen:
+                seen.add(nxt)
+                todo.append(nxt)
+    return seen
+
+
+def _deepspeed_importers(modules: dict[str, ast.Module]) -> set[str]:
+    return {name for name, tree in modules.items() for node in ast.walk(tree)
+            if (isinstance(node, ast.Import) and any(a.name.split(".")[0] == "deepspeed" for a in node.names))
+            or (isinstance(node, ast.ImportFrom) and node.level == 0 and (node.module or "").split(".")[0] == "deepspeed")}
+
+
+def _deepspeed_reached(module: str, modules: dict[str, ast.Module], edges) -> list[str]:
+    graph: dict[str, set[str]] = {}
+    for importer, target in edges:
+        graph.setdefault(importer, set()).add(target)
+    return sorted(({module} | _reachable(module, graph)) & _deepspeed_importers(modules))
+
+
+def test_the_deepspeed_free_check_follows_imports():
+    planted = {"a": ast.parse("import b"), "b": ast.parse("from deepspeed.utils import logger"), "c": ast.parse("")}
+    assert _deepspeed_reached("a", planted, [("a", "b")]) == ["b"]
+    assert _deepspeed_reached("c", planted, [("a", "b")]) == []
+
+
+def test_compiled_blocks_import_no_deepspeed():
+    edges = [(i.importer, i.target) for i in _imports() if i.target != "ds_odc"]
+    for module in DEEPSPEED_FREE:
+        reached = _deepspeed_reached(module, _modules(), edges)
+        assert not reached, f"{module} imports DeepSpeed through {reached}: keep it free of DeepSpeed (and of zero/)"

@@ -33,7 +33,9 @@ Local search
     or after ``max_evals`` bin pairs have been examined (default ``2 * k + 64``); a step examines at most
     ``max_partners`` (default 16) partner bins and one examination costs O(|bin| log |bin|), so the search is
     O((2k + 64) * (n/k) log(n/k)) at worst, never O(n^2).  On 4,096 long-sft items and 512 bins it cuts the gap
-    between the largest bin and the mean from ~5% (chunked KK start; greedy LPT: ~3.7%) to ~0.05%.
+    between the largest bin and the mean from ~5% (chunked KK start; greedy LPT: ~3.7%) to ~0.05%.  The loop
+    (:func:`search_from_heaviest`) is the one lb-mini's rebalancing of packed ranks runs too (``whole.py``), with
+    exchanges that repack.
 
 Ties are broken by item index everywhere, so the result is a deterministic function of ``(costs, k)``: every rank
 computes the same plan without communicating.
@@ -44,11 +46,12 @@ from __future__ import annotations
 import heapq
 import math
 from bisect import bisect_left, insort
-from typing import Sequence
+from typing import Callable, Sequence
 
 import numpy as np
 
-__all__ = ["partition", "greedy_lpt", "makespan", "exchange_search", "DEFAULT_MAX_PARTNERS"]
+__all__ = ["partition", "greedy_lpt", "makespan", "exchange_search", "search_from_heaviest",
+           "DEFAULT_MAX_PARTNERS"]
 
 DEFAULT_MAX_PARTNERS = 16
 FREE_KK_MAX_ITEMS = 1024
@@ -226,6 +229,37 @@ def _merge(ha: list, mxa: float, hb: list, mxb: float, k: int, members: list[lis
 # Local search.
 
 
+def search_from_heaviest(loads: list[float], improve: Callable[[int, int, float, float], bool], *, max_evals: int,
+                         max_partners: int) -> int:
+    """The exchange search's loop, for any kind of exchange: take the heaviest bin ``h`` and try the other bins,
+    lightest first (at most ``max_partners`` per step, ``max_evals`` bin pairs in all), until ``improve(h, p,
+    load_h, load_p)`` applies an exchange between ``h`` and ``p`` (it sets ``loads[h]`` and ``loads[p]`` and returns
+    True); stop when no partner improves ``h``. Partners within ``1e-12`` of the maximum are not tried. Returns the
+    number of exchanges applied. The bins are kept sorted by (load, bin id), updated by bisection after each
+    exchange: a step costs O(k) memmove at worst, no sort."""
+    order = sorted((s, b) for b, s in enumerate(loads))
+    steps = evals = 0
+    while evals < max_evals:
+        top, h = order[-1]
+        tol = 1e-12 * top
+        hit = None
+        for s_p, p in order[:max_partners]:
+            if top - s_p <= tol or evals >= max_evals:
+                break
+            evals += 1
+            if improve(h, p, top, s_p):
+                hit = (s_p, p)
+                break
+        if hit is None:
+            break
+        for key in ((top, h), hit):
+            del order[bisect_left(order, key)]
+        insort(order, (loads[h], h))
+        insort(order, (loads[hit[1]], hit[1]))
+        steps += 1
+    return steps
+
+
 def exchange_search(
     bins: list[list[int]],
     c: list[float],
@@ -235,13 +269,11 @@ def exchange_search(
     max_partners: int,
     base: Sequence[float] | None = None,
 ) -> int:
-    """Improve ``bins`` in place; returns the number of exchanges applied. ``base``: load each bin carries besides its
-    items (work assigned elsewhere, e.g. split samples), counted in the balance but never moved.
+    """Improve ``bins`` in place (:func:`search_from_heaviest` with one-item moves and swaps, see the module
+    docstring); returns the number of exchanges applied. ``base``: load each bin carries besides its items (work
+    assigned elsewhere, e.g. split samples), counted in the balance but never moved.
 
-    State: per bin its items and their costs, both sorted by cost (for bisection), and ``order``, the bins sorted
-    by (sum, bin id), updated by bisection after each exchange: a step costs O(k) memmove at worst, no sort.
-    """
-    k = len(bins)
+    State: per bin its items and their costs, both sorted by cost (for bisection)."""
     items: list[list[int]] = []
     icost: list[list[float]] = []
     for b in bins:
@@ -249,22 +281,11 @@ def exchange_search(
         items.append(srt)
         icost.append([c[i] for i in srt])
     sums = [math.fsum(cs) + (base[b] if base is not None else 0.0) for b, cs in enumerate(icost)]
-    order = sorted((s, b) for b, s in enumerate(sums))
-    steps = evals = 0
-    while evals < max_evals:
-        top, h = order[-1]
-        tol = 1e-12 * top
-        hit = None
-        for s_p, p in order[:max_partners]:
-            gap = top - s_p
-            if gap <= tol or evals >= max_evals:
-                break
-            evals += 1
-            hit = _best_exchange(icost[h], icost[p], gap, tol, allow_moves)
-            if hit is not None:
-                break
+
+    def improve(h: int, p: int, top: float, s_p: float) -> bool:
+        hit = _best_exchange(icost[h], icost[p], top - s_p, 1e-12 * top, allow_moves)
         if hit is None:
-            break
+            return False
         ja, jb = hit
         a = items[h].pop(ja)
         ca = icost[h].pop(ja)
@@ -275,14 +296,12 @@ def exchange_search(
             d -= cb
             _insert(items[h], icost[h], b, cb)
         _insert(items[p], icost[p], a, ca)
-        for key in ((top, h), (s_p, p)):
-            del order[bisect_left(order, key)]
         sums[h] = top - d
         sums[p] = s_p + d
-        insort(order, (sums[h], h))
-        insort(order, (sums[p], p))
-        steps += 1
-    for j in range(k):
+        return True
+
+    steps = search_from_heaviest(sums, improve, max_evals=max_evals, max_partners=max_partners)
+    for j in range(len(bins)):
         bins[j] = items[j]
     return steps
 

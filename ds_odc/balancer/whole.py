@@ -30,12 +30,11 @@ through the registry, :func:`ds_odc.balancer.planners.plan_minibatch`.
 from __future__ import annotations
 
 import math
-from bisect import bisect_left, insort
 from typing import Callable, Sequence
 
 from .cost import CostModel
 from .packing import PackingError, fewest_bins, pack_positions
-from .partitioner import partition
+from .partitioner import partition, search_from_heaviest
 from .plan import Plan, checked_minibatch
 
 __all__ = ["Assignment", "plan_whole", "assign_local_sort", "assign_lb_micro", "assign_lb_mini"]
@@ -153,28 +152,15 @@ class _RankPacking:
 
     def rebalance(self, max_evals: int, max_partners: int = 4) -> None:
         """Move or swap one sample between the costliest rank and a cheap one while that lowers the larger of the
-        two (true costs, microbatch counts repacked). Candidates are screened with the count lower bound
-        ``ceil(tokens / T)`` and only the most promising few are repacked, so a step stays cheap."""
+        two (true costs, microbatch counts repacked): :func:`~ds_odc.balancer.partitioner.search_from_heaviest`
+        over the ranks' true costs. Candidates are screened with the count lower bound ``ceil(tokens / T)`` and
+        only the most promising few are repacked, so a step stays cheap."""
         T, L, c, fixed = self.T, self.lens, self.costs, self.fixed
-        order = sorted((t, r) for r, t in enumerate(self.total))  # ranks by cost, kept sorted by bisection
-        evals = 0
-        while evals < max_evals:
-            top, h = order[-1]
-            tol = 1e-12 * top
-            hit = None
-            for cost_p, p in order[:max_partners]:
-                if top - cost_p <= tol or evals >= max_evals:
-                    break
-                evals += 1
-                if self._improve(h, p, top - tol, T, L, c, fixed):
-                    hit = (cost_p, p)
-                    break
-            if hit is None:
-                return
-            for key in ((top, h), hit):
-                del order[bisect_left(order, key)]
-            insort(order, (self.total[h], h))
-            insort(order, (self.total[hit[1]], hit[1]))
+
+        def improve(h: int, p: int, top: float, cost_p: float) -> bool:
+            return self._improve(h, p, top - 1e-12 * top, T, L, c, fixed)
+
+        search_from_heaviest(self.total, improve, max_evals=max_evals, max_partners=max_partners)
 
     def _improve(self, h: int, p: int, limit: float, T: int, L: list[int], c: list[float], fixed: float) -> bool:
         H, P = self.parts[h], self.parts[p]

@@ -31,14 +31,15 @@ def check(ds_config: dict) -> Checked:
     Keys set to ``"auto"`` are skipped, as DeepSpeed's config models skip them: the Hugging Face Trainer fills them
     in before DeepSpeed reads them."""
     import ds_odc
+    from ds_odc.zero.engine import odc_requested
     from ds_odc.zero.validate import config_problems, config_warnings, read_config
 
     ds_odc.patch()
     config = read_config(ds_config)
-    odc = config.zero_config.odc
-    if not odc.enabled:
-        return Checked(odc.model_dump())
-    return Checked(odc.model_dump(), [str(e) for e in config_problems(config)], config_warnings(config))
+    resolved = config.zero_config.odc.model_dump()
+    if not odc_requested(ds_config):
+        return Checked(resolved)
+    return Checked(resolved, [str(e) for e in config_problems(config)], config_warnings(config))
 
 
 def main(path: str) -> int:

@@ -90,7 +90,7 @@ from ds_odc.training.loss import count_loss_tokens, use_chunked_loss
 from ds_odc.training.metrics import StepClock, StepRecord, record_from_rows
 from ds_odc.training.sequence_parallel import ATTENTION_NAME as SP_ATTENTION_NAME
 from ds_odc.training.sequence_parallel import SequenceParallel
-from ds_odc.zero.engine import tag_minibatch, wait_seconds
+from ds_odc.zero.engine import odc_requested, tag_minibatch, wait_seconds
 
 logger = logging.get_logger(__name__)
 
@@ -114,7 +114,7 @@ def deepspeed_config_of(args) -> dict | None:
 def odc_enabled(args) -> bool:
     """Whether ``TrainingArguments`` carry a DeepSpeed config with ``zero_optimization.odc`` on."""
     config = deepspeed_config_of(args)
-    return config is not None and bool(odc_config_from_ds_config(config).enabled)
+    return config is not None and odc_requested(config)
 
 
 # The trainers' loose balancer keywords and the BalancerOptions field each one sets.

@@ -34,7 +34,7 @@ import torch
 
 from ds_odc.ops.transport import OdcError
 
-__all__ = ["lockstep_free", "residency_for", "is_odc_engine", "collectives_forbidden", "LockstepError", "RESIDENCIES"]
+__all__ = ["lockstep_free", "residency_for", "collectives_forbidden", "LockstepError", "RESIDENCIES"]
 
 RESIDENCIES = ("auto", "full", "block")
 
@@ -92,14 +92,9 @@ def collectives_forbidden(what: str = "lockstep-free generation") -> Iterator[No
             setattr(owner, name, original)
 
 
-def is_odc_engine(engine) -> bool:
-    """Whether ``engine`` is a DeepSpeedEngine whose ZeRO-3 optimizer runs ODC (built with an optimizer)."""
-    from ds_odc.zero.optimizer import OdcOptimizer
-    return isinstance(getattr(engine, "optimizer", None), OdcOptimizer)
-
-
 def _require_odc(engine) -> None:
-    if not is_odc_engine(engine):
+    from ds_odc.zero.engine import is_odc
+    if not is_odc(engine):
         optimizer = getattr(engine, "optimizer", None)
         raise ValueError(
             "ds_odc: lockstep-free generation needs the DeepSpeedEngine of a model trained with "
@@ -176,6 +171,7 @@ def lockstep_free(engine, residency: str = "auto", max_resident_bytes: int | Non
     with contextlib.ExitStack() as stack:
         stack.enter_context(collectives_forbidden("lockstep-free generation"))
         if mode == "full":
-            stack.enter_context(engine.optimizer.odc_resident())
+            from ds_odc.zero.engine import resident_parameters
+            stack.enter_context(resident_parameters(engine))
         stack.enter_context(_generate_unsynced(module))
         yield module

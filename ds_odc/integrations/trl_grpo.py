@@ -54,8 +54,9 @@ from ds_odc.integrations._hf_privates import (TRL_GRPO_PRIVATES, check_trl, chec
 from ds_odc.integrations._runner import (Microbatch, MinibatchPosition, OdcRunner, RunsOdcSteps, StepRunner,
                                          balancer_options, load_balancer_state, odc_enabled, save_balancer_state)
 from ds_odc.integrations._stock_metrics import SlotMetrics, combine
-from ds_odc.integrations.generation import RESIDENCIES, is_odc_engine, lockstep_free
+from ds_odc.integrations.generation import RESIDENCIES, lockstep_free
 from ds_odc.training.kernels import training_args_for_kernels
+from ds_odc.zero.engine import is_odc
 
 __all__ = ["OdcGRPOTrainer", "RolloutRunner", "RolloutShare", "LOSS_WEIGHTS"]
 
@@ -341,7 +342,7 @@ class RolloutRunner(OdcRunner):
     def generate(self, stock: Callable[[], tuple]) -> tuple:
         """TRL's generation of one batch, lockstep-free on the ODC engine."""
         trainer = self.trainer
-        if not is_odc_engine(trainer.model_wrapped):  # e.g. an inference-only engine before training
+        if not is_odc(trainer.model_wrapped):  # e.g. an inference-only engine before training
             return stock()
         gather = trainer.args.ds3_gather_for_generation
         trainer.args.ds3_gather_for_generation = False  # TRL's collective full gather; lockstep_free decides instead

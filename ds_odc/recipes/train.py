@@ -32,7 +32,7 @@ from ds_odc.training.loss import global_mean_weight
 from ds_odc.training.metrics import StepClock, StepRecord, gather_step, summarize
 from ds_odc.training.profiling import decoder_layers, describe, profile_step
 from ds_odc.training.sequence_parallel import SequenceParallel
-from ds_odc.zero.engine import lockstep_waits, tag_minibatch, wait_seconds
+from ds_odc.zero.engine import lockstep_waits, odc_requested, tag_minibatch, wait_seconds
 
 __all__ = ["main", "train", "SftRun", "build_model", "engine_config", "draw_timeline"]
 
@@ -204,7 +204,7 @@ def engine_config(args) -> tuple[dict, bool]:
     any count per rank), and whether it turns ODC on. A planner that gives ranks different microbatch counts
     without ODC is refused."""
     ds_config = json.loads(Path(args.deepspeed).read_text())
-    odc_on = odc_config_from_ds_config(ds_config).enabled
+    odc_on = odc_requested(ds_config)
     if get_planner(args.balancer).runtime == "odc" and not odc_on:
         raise SystemExit(f"--balancer {args.balancer} gives ranks different numbers of microbatches, which only ODC "
                          'can run: add "odc": true to zero_optimization in the ds_config, or use --balancer lb-micro')

@@ -1,11 +1,12 @@
 """Compiled transformer blocks: each block's own computation through ``torch.compile``, every hook outside it.
 
 :func:`compile_blocks` compiles the forward of every transformer block of a model (the classes a Hugging Face model
-names in ``_no_split_modules``, as ODC's block fetch does). What is compiled is the block's ``forward``, not its
-``__call__``: the module hooks of DeepSpeed (stock ZeRO-3's fetch and release, ODC's block fetch) and of FSDP2
-run around the compiled region, never inside it, so they neither break its graph nor get traced. Under ODC's
-``fetch_unit: "block"`` (and stock ZeRO-3 with the same leaf-module flag) a block's parameters are ordinary full
-tensors while its forward runs: the compiled graph is the one an unsharded model would get.
+names in ``_no_split_modules``: :mod:`ds_odc.training.blocks`, the rule ODC's block fetch follows too). What is
+compiled is the block's ``forward``, not its ``__call__``: the module hooks of DeepSpeed (stock ZeRO-3's fetch and
+release, ODC's block fetch) and of FSDP2 run around the compiled region, never inside it, so they neither break its
+graph nor get traced. Under ODC's ``fetch_unit: "block"`` (and stock ZeRO-3 with the same leaf-module flag) a
+block's parameters are ordinary full tensors while its forward runs: the compiled graph is the one an unsharded model
+would get.
 
 How it is done: each block's class is replaced by a subclass of the same name whose ``forward`` calls the compiled
 original (FSDP2 swaps classes the same way). Every block of a class shares one compiled function, so a 28-layer
@@ -45,7 +46,7 @@ from typing import Any
 
 import torch
 
-from ds_odc.zero.blocks import block_classes, outermost
+from ds_odc.training.blocks import transformer_blocks
 
 __all__ = ["CompileOptions", "CompiledBlocks", "CompileCounts", "compile_blocks", "compile_counts",
            "compiled_blocks_of", "compile_blocks_on_engine_compile", "eager_forward"]
@@ -237,8 +238,7 @@ def compile_blocks(model: torch.nn.Module, options: CompileOptions | None = None
     options = options or CompileOptions()
     state = CompiledBlocks(options)
     model.__dict__[_ATTR] = state
-    names = block_classes(model)
-    blocks = outermost([m for m in model.modules() if any(c.__name__ in names for c in type(m).__mro__)])
+    blocks = transformer_blocks(model)
     if not blocks:
         state.run_eager(f"{type(model).__name__} names no transformer block classes (_no_split_modules), so there "
                         "is no block to compile")

@@ -2,7 +2,7 @@
 
 **Busy time** of a rank in one optimizer step: the wall time from the step's first microbatch to the end of its
 optimizer update, less the time it spent waiting for other ranks (ODC's fence and barrier, which the ODC optimizer
-times: ``engine.optimizer.odc_wait_s``). **Step time**: the slowest rank's wall time. Rank numbers are gathered once
+times: ``ds_odc.zero.engine.wait_seconds(engine)``). **Step time**: the slowest rank's wall time. Rank numbers are gathered once
 per step, at the step, where every rank is anyway (:func:`gather_step`), and
 
     bubble = 1 - sum_r busy_r / (R * step_time)
@@ -15,8 +15,8 @@ With ODC the only waiting is at the fence, so busy is exact. Under collectives (
 inside every layer's all-gather and reduce-scatter and count as busy, so their bubble is a lower bound (the
 simulator's collective model gives the compute-only figure). ODC's lock-step baseline (``odc.lockstep``) is in
 between: on CPU its per-layer meetings hold the host, which times them, and they count as waiting; on CUDA they
-wait on the device, as a collective does, and count as busy (``engine.optimizer.odc_lockstep`` has the device's
-time in them, which overlaps other streams' work).
+wait on the device, as a collective does, and count as busy (``ds_odc.zero.engine.lockstep_waits(engine)`` has the
+device's time in them, which overlaps other streams' work).
 
 The same per-rank numbers (busy seconds, tokens, sum of squared document lengths, microbatches) are what the
 balancer's automatic cost fits (``BalancedBatchSampler.observe``).

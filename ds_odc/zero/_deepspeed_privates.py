@@ -4,9 +4,11 @@ overrides of private members.
 Supported: ``deepspeed>=0.19.8,<0.20``. :func:`check_deepspeed` feature-detects each symbol at import, so a DeepSpeed
 that moved one fails with a version message, never a hang. Each installer, accessor and override says in one line
 why it exists. The overrides (:class:`Stage3Seams`, :class:`CoordinatorSeams`) hold no logic: each forwards in a
-line or three to a named method of :class:`~ds_odc.zero.optimizer.OdcOptimizer`, of
-:class:`~ds_odc.zero.coordinator.OdcParamCoordinator` or of the engine's :class:`~ds_odc.zero.state.OdcState`
-(``self.odc``), and this module imports none of them.
+few lines to a collaborator the seam class names and this module imports, the engine's
+:class:`~ds_odc.zero.state.OdcState` (``self.odc``), the optimizer's :class:`~ds_odc.zero.host_step.HostStep` or
+:func:`~ds_odc.zero.norms.gradient_norms`, never to a method of the classes that derive from them
+(:class:`~ds_odc.zero.optimizer.OdcOptimizer`, :class:`~ds_odc.zero.coordinator.OdcParamCoordinator`; see
+[Note: seams call down]).
 """
 
 from __future__ import annotations
@@ -20,13 +22,17 @@ import weakref
 import deepspeed
 from packaging.version import Version
 
+from ds_odc.zero.host_step import HostStep
+from ds_odc.zero.norms import gradient_norms
+from ds_odc.zero.state import OdcState
+
 __all__ = ["SUPPORTED", "check_deepspeed", "skip_cpu_shm_op_build", "install_config_model", "install_optimizer_hook",
            "install_zero_init_group", "partition_over", "install_checkpoint_writers", "nvtx_ranges_only_under_a_tool",
            "list_module_parameters_once", "accumulation_of", "use_coordinator_class", "grad_partition_map",
            "bind_param_methods", "forget_backward_functions", "zero3_hooks_detached", "no_rank_consistency_asserts",
            "no_persistent_refresh", "fetch_stream", "count_available", "has_fetches_in_flight", "release_function",
-           "gradients_kept_on_device", "time_stock_host_step", "reads_gradients", "GRADIENT_STATE_WITHOUT_GATE", "CoordinatorSeams",
-           "Stage3Seams", "config_outside_a_job"]
+           "gradients_kept_on_device", "time_stock_host_step", "reads_gradients", "GRADIENT_STATE_WITHOUT_GATE",
+           "SEAM_CLASSES", "CoordinatorSeams", "Stage3Seams", "config_outside_a_job"]
 
 SUPPORTED = ">=0.19.8,<0.20"
 _MIN, _MAX = Version("0.19.8"), Version("0.20")
@@ -467,7 +473,7 @@ def no_persistent_refresh(optimizer):
         optimizer.persistent_parameters = listed
 
 
-# -- the coordinator's private state, read and written by OdcParamCoordinator and OdcOptimizer -------------------------
+# -- the coordinator's private state, read and written by the seams below ----------------------------------------
 def fetch_stream(coordinator):
     """Why: the coordinator issues its gathers on a private stream that it orders the compute stream after."""
     return getattr(coordinator, COORDINATOR_STREAM)
@@ -526,7 +532,7 @@ GRADIENT_STATE_WITHOUT_GATE = {
     "reload_states": "overridden by OdcOptimizer.reload_states (after offload_states settled)",
     # the backward path, which writes the partitions: ODC pushes instead (never a meeting inside backward)
     "independent_gradient_partition_epilogue": "backward's end: lists the partitions in averaged_gradients, whose "
-                                               "reads settle (OdcOptimizer.settled_on_read)",
+                                               "reads settle (OdcState.settled_on_read)",
     "partition_grads": "backward: overridden (the pushes replace it)",
     "_offload_grad_partition_at_boundary": "backward with offload_optimizer: ODC keeps gradients on the device "
                                            "(gradients_kept_on_device), so this is never reached",
@@ -549,13 +555,29 @@ GRADIENT_STATE_WITHOUT_GATE = {
 }
 
 
-# -- overrides: each forwards to a named method (see the module docstring) -------------------------------------------
+# -- overrides ----------------------------------------------------------------------------------------------------
+# [Note: seams call down]
+# Each override below forwards, in a line or a few, to a collaborator that the seam class names and this module
+# imports: the engine's OdcState (``odc``: how shards and gradients move), the optimizer's HostStep (``host_step``:
+# the step on the host under offload_optimizer) or gradient_norms; what it reads of ``self`` besides is DeepSpeed's
+# own (the class it overrides for: SEAM_CLASSES). No seam class calls a method that only the class deriving from it
+# (OdcOptimizer, OdcParamCoordinator) defines; tests/test_layout.py checks it.
+SEAM_CLASSES = {  # seam class -> (DeepSpeed module, the class whose members it overrides)
+    "CoordinatorSeams": ("deepspeed.runtime.zero.partitioned_param_coordinator", "PartitionedParameterCoordinator"),
+    "Stage3Seams": ("deepspeed.runtime.zero.stage3", "DeepSpeedZeroOptimizer_Stage3"),
+}
+
+
 class CoordinatorSeams:
     """The private ``PartitionedParameterCoordinator`` members ODC overrides (on ``OdcParamCoordinator``)."""
 
+    odc: OdcState  # the engine's: set by the ODC optimizer when it re-classes the coordinator (use_coordinator_class)
+
     def _PartitionedParameterCoordinator__all_gather_params_(self, params, forward, quantize=False):
-        # Why: the coordinator's one all-gather site, for fetches and prefetches alike.
-        self.fetch_params(params, quantize)
+        # Why: the coordinator's one all-gather site, for fetches and prefetches alike; it counts gathered elements.
+        if quantize:
+            raise RuntimeError("ds_odc: quantized parameter fetches are not supported with ODC")
+        count_available(self, self.odc.fetch_missing(params, fetch_stream(self)))
 
     def reset_step(self) -> None:
         # Why: see no_rank_consistency_asserts.
@@ -564,9 +586,12 @@ class CoordinatorSeams:
 
 
 class Stage3Seams:
-    """The ``DeepSpeedZeroOptimizer_Stage3`` members ODC overrides (on ``OdcOptimizer``; ``self.odc``: its OdcState;
-    ``self.coordinator_class``: the coordinator subclass, given by the optimizer so that this module imports
-    neither)."""
+    """The ``DeepSpeedZeroOptimizer_Stage3`` members ODC overrides (on ``OdcOptimizer``, which sets the three
+    attributes below; this module imports neither it nor the coordinator subclass)."""
+
+    odc: OdcState  # how shards and gradients move: set before DeepSpeed's constructor runs
+    host_step: HostStep | None = None  # with offload_optimizer: the gradients' way to the host, the parameters' back
+    coordinator_class: type  # what the parameter coordinator DeepSpeed builds becomes
 
     def initialize_ds_offload(self, *args, **kwargs):
         # Why: the coordinator this builds performs every fetch; ODC re-classes it (see use_coordinator_class).
@@ -575,8 +600,12 @@ class Stage3Seams:
         return offload
 
     def _set_fp16_partitioned_groups_flat(self):
-        # Why: right after ``lp_param_buffer`` (all trainable shards, flat) is built and before anything aliases it.
-        self.place_trainable_shards()
+        # Why: right after ``lp_param_buffer`` (all trainable shards, flat) is built and before anything aliases it,
+        # ODC moves it into symmetric memory that peers read, and routes each parameter's gathers through ODC.
+        params = list(itertools.chain.from_iterable(self.fp16_groups))
+        self.lp_param_buffer = self.odc.take_trainable_shards(params, self.lp_param_buffer, self.dp_process_group)
+        for param in params:
+            bind_param_methods(param, self.odc)
         super()._set_fp16_partitioned_groups_flat()
 
     def _DeepSpeedZeroOptimizer_Stage3__avg_scatter_grads(self, params, communication_data_type):
@@ -586,18 +615,23 @@ class Stage3Seams:
 
     def partition_grads(self, params_to_release, grad_partitions) -> list:
         # Why: stock copies (or adds) the reduce-scattered slice into the local partition; ODC pushed it already.
-        self.release_full_gradients(params_to_release)
+        self.odc.free_pushed_gradients(params_to_release)
         return []
 
     def _partition_all_parameters(self):
-        # Why: stock walks every module twice and releases each gathered parameter through zero.Init's closures.
-        if not self.release_gathered_parameters():
+        # Why: stock walks every module twice and releases each gathered parameter through zero.Init's closures;
+        # with gathers in flight (never under ODC, whose reads are waited where issued) stock's path waits for them.
+        coordinator = self.parameter_offload.get_param_coordinator()
+        if has_fetches_in_flight(coordinator):
             super()._partition_all_parameters()
+        else:
+            self.odc.release_gathered(release_function(coordinator))
 
     @reads_gradients("the gradient norm (optimizer._get_norm_groups)")
     def _get_norm_groups(self):
         # Why: stock takes one norm per parameter over views of what under ODC is one flat fp32 accumulator.
-        norms = self.gradient_norms()
+        norms = gradient_norms(self.fp16_groups, self.odc, grad_partition_map(self), self._get_param_partition_group,
+                               on_host=self.host_step is not None)
         return super()._get_norm_groups() if norms is None else norms
 
     @reads_gradients("the overflow check (optimizer.has_overflow)")
@@ -624,12 +658,12 @@ class Stage3Seams:
     @property
     def averaged_gradients(self):
         # Why: stage 3 and its users read gradients here between backward and step; under ODC they are complete only
-        # once the pushes landed (see OdcOptimizer.settled_on_read).
+        # once the pushes landed (see OdcState.settled_on_read).
         return self.__dict__["_odc_averaged_gradients"]
 
     @averaged_gradients.setter
     def averaged_gradients(self, value):
-        self.__dict__["_odc_averaged_gradients"] = self.settled_on_read(value)
+        self.__dict__["_odc_averaged_gradients"] = self.odc.settled_on_read(value)
 
     @reads_gradients("reading or writing a gradient (safe_get_*_grad / safe_set_*_grad)")
     def _get_fp32_grad_state_partition(self, param, release_swap_buffers):
@@ -661,13 +695,16 @@ class Stage3Seams:
             super().independent_gradient_partition_epilogue()
 
     def _prepare_sub_group(self, sub_group_id, timer_names):
-        # Why: stock's step prepares each sub-group here; with offload_optimizer ODC brings its gradient to the host.
-        self.host_gradients(sub_group_id)
+        # Why: stock's step prepares each sub-group here; with offload_optimizer ODC brings its gradient to the host
+        # (into its fp32 master's .grad, where stock's CPU step reads it).
+        if self.host_step is not None:
+            self.host_step.ready(sub_group_id)
         super()._prepare_sub_group(sub_group_id, timer_names)
 
     def _reassign_or_swap_out_partitioned_parameters(self, sub_group_id):
-        # Why: stock copies each sub-group's new fp32 parameters into its shards here, synchronously.
-        if not self.copy_back_parameters(sub_group_id):
+        # Why: stock copies each sub-group's new fp32 parameters into its shards here, synchronously; with
+        # offload_optimizer ODC starts that copy and finishes it before the publish.
+        if self.host_step is None or not self.host_step.copy_back(sub_group_id):
             super()._reassign_or_swap_out_partitioned_parameters(sub_group_id)
 
     def set_gradient_accumulation_boundary(self, is_boundary: bool) -> None:

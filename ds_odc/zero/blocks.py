@@ -4,6 +4,8 @@ Stock ZeRO-3 hooks every submodule: each linear layer costs a fetch, a release a
 several times per microbatch (forward, recompute, backward). ODC's reads are one-sided, so nothing is gained by
 fetching finer than the block the model runs anyway; DeepSpeed's "leaf module" flag (public:
 ``deepspeed.utils.set_z3_leaf_module``) makes it hook the block and fetch all of its parameters in one call.
+Which modules are blocks is not decided here: the caller passes them (:func:`ds_odc.training.blocks.transformer_blocks`,
+the one rule, which compiled blocks follow too).
 """
 
 from __future__ import annotations
@@ -11,28 +13,13 @@ from __future__ import annotations
 import torch
 from deepspeed.utils import logger, set_z3_leaf_module, z3_leaf_module
 
-__all__ = ["fetch_by_block", "block_classes", "outermost"]
+__all__ = ["fetch_by_block"]
 
 
 def _user_chose_leaves(zero_config) -> bool:
     """Whether the config sets DeepSpeed's ``leaf_module`` to anything but its defaults (which name MoE blocks)."""
     leaf = getattr(zero_config, "leaf_module", None)
     return leaf is not None and leaf != type(leaf)()
-
-
-def block_classes(model: torch.nn.Module) -> set[str]:
-    """Class names of the model's transformer blocks: Hugging Face models list them in ``_no_split_modules``."""
-    names: set[str] = set()
-    for module in model.modules():
-        names.update(getattr(module, "_no_split_modules", None) or ())
-    return names
-
-
-def outermost(modules: list[torch.nn.Module]) -> list[torch.nn.Module]:
-    """The modules of ``modules`` that are not inside another one of them (a block inside a block is never hooked or
-    compiled on its own)."""
-    inner = {id(sub) for m in modules for sub in m.modules() if sub is not m}
-    return [m for m in modules if id(m) not in inner]
 
 
 def _input_requires_grad(block: torch.nn.Module, args: tuple, kwargs: dict):
@@ -53,16 +40,16 @@ def _input_requires_grad(block: torch.nn.Module, args: tuple, kwargs: dict):
     return None
 
 
-def fetch_by_block(model: torch.nn.Module, zero_config, fetch_unit: str) -> list[torch.nn.Module]:
-    """Flag the model's blocks as ZeRO-3 leaf modules (before the optimizer installs its hooks); returns them."""
+def fetch_by_block(blocks: list[torch.nn.Module], zero_config, fetch_unit: str) -> list[torch.nn.Module]:
+    """Flag ``blocks``, the model's transformer blocks, as ZeRO-3 leaf modules (before the optimizer installs its
+    hooks); returns those it flagged (none where ``fetch_unit`` is ``module``, the config names DeepSpeed's own leaf
+    modules, or every block is a leaf already: a second engine around the same model)."""
     if fetch_unit != "block" or _user_chose_leaves(zero_config):
         return []
-    classes = block_classes(model)
-    blocks = [m for m in model.modules() if type(m).__name__ in classes and not z3_leaf_module(m)]
+    blocks = [b for b in blocks if not z3_leaf_module(b)]
     if not blocks:
         logger.info("ds_odc: the model names no transformer blocks (_no_split_modules); fetching per module")
         return []
-    blocks = outermost(blocks)
     for block in blocks:
         set_z3_leaf_module(block, True)
         block.register_forward_pre_hook(_input_requires_grad, prepend=True, with_kwargs=True)

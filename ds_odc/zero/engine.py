@@ -1,27 +1,36 @@
 """What code above ``ds_odc.zero`` (and a user's loop) may ask of a ``DeepSpeedEngine`` about ODC: functions that take
-the engine, stock engines included, so that nothing outside this package reaches into the optimizer's attributes.
-The optimizer's own public members are :attr:`~ds_odc.zero.optimizer.OdcOptimizer.odc_wait_s`,
+the engine, stock engines included, so that nothing outside this package reaches into the optimizer's attributes;
+and :func:`odc_requested`, the same question asked of a ds_config before its engine exists. These are the one answer
+to "is ODC on?" above ``ds_odc.zero`` (tests/test_layout.py keeps it so). The optimizer's own public members are :attr:`~ds_odc.zero.optimizer.OdcOptimizer.odc_wait_s`,
 :attr:`~ds_odc.zero.optimizer.OdcOptimizer.odc_lockstep`,
 :attr:`~ds_odc.zero.optimizer.OdcOptimizer.odc_host_step_times` and
 :meth:`~ds_odc.zero.optimizer.OdcOptimizer.odc_resident`."""
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 from typing import Any, Callable
 
+from ds_odc.config import odc_config_from_ds_config
 from ds_odc.zero import _deepspeed_privates as privates
 from ds_odc.zero.host_step import HostStepTimes
 from ds_odc.zero.minibatch import MinibatchTag
 from ds_odc.zero.optimizer import OdcOptimizer
 
-__all__ = ["is_odc", "wait_seconds", "tag_minibatch", "holds_replica", "host_step_timer", "symmetric_device_bytes",
-           "destroy_engine", "lockstep_waits"]
+__all__ = ["is_odc", "odc_requested", "wait_seconds", "tag_minibatch", "holds_replica", "host_step_timer",
+           "symmetric_device_bytes", "destroy_engine", "lockstep_waits", "resident_parameters"]
 
 
 def is_odc(engine) -> bool:
     """Whether ``engine`` trains under ODC: the one answer to "is ODC on?" for code above ``ds_odc.zero``."""
     return isinstance(getattr(engine, "optimizer", None), OdcOptimizer)
+
+
+def odc_requested(ds_config: dict) -> bool:
+    """Whether the ds_config dict ``ds_config`` turns ODC on (``zero_optimization.odc``): what :func:`is_odc` answers
+    for the engine built from it, asked before that engine exists."""
+    return bool(odc_config_from_ds_config(ds_config).enabled)
 
 
 def wait_seconds(engine) -> float:
@@ -112,3 +121,13 @@ def destroy_engine(engine) -> None:
     the destroyed engine's collective gathers)."""
     engine.destroy()
     privates.forget_backward_functions(engine.module)
+
+
+def resident_parameters(engine) -> contextlib.AbstractContextManager:
+    """For an ODC engine: every parameter read once (one-sidedly) and kept, with DeepSpeed's per-module fetch and
+    release off, until the block exits (:meth:`~ds_odc.zero.optimizer.OdcOptimizer.odc_resident`); yields the
+    module."""
+    if not is_odc(engine):
+        raise ValueError("ds_odc: resident_parameters needs an engine with zero_optimization.odc on (got optimizer "
+                         f"{type(getattr(engine, 'optimizer', None)).__name__})")
+    return engine.optimizer.odc_resident()

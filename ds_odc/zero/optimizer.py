@@ -11,9 +11,11 @@ Per minibatch, on every rank, with any number of microbatches (0 included):
   caller of the publish: stock's ``_post_step`` leaves the one thing that needs published shards (re-reading the
   persistent parameters) to it.
 
-DeepSpeed reaches this class through its private members; their overrides live in ``_deepspeed_privates``
-(:class:`~ds_odc.zero._deepspeed_privates.Stage3Seams`), each forwarding to a named method here, so the class reads
-whole in this file. What the layers above may use is :attr:`OdcOptimizer.odc_wait_s`,
+DeepSpeed reaches this class through its private members too; their overrides live in ``_deepspeed_privates``
+(:class:`~ds_odc.zero._deepspeed_privates.Stage3Seams`, inherited), each forwarding to a collaborator this class
+holds and hands them: its :class:`~ds_odc.zero.state.OdcState` (``odc``), its
+:class:`~ds_odc.zero.host_step.HostStep` (``host_step``) or :func:`~ds_odc.zero.norms.gradient_norms`; none calls
+back into this class. What the layers above may use is :attr:`OdcOptimizer.odc_wait_s`,
 :attr:`OdcOptimizer.odc_lockstep`, :attr:`OdcOptimizer.odc_host_step_times` and :meth:`OdcOptimizer.odc_resident`
 (and the functions of :mod:`ds_odc.zero.engine`); nothing else.
 
@@ -34,12 +36,10 @@ import contextlib
 import itertools
 
 import torch
-from deepspeed import comm as dist
 from deepspeed.accelerator import get_accelerator
 from deepspeed.runtime.zero.offload_config import OffloadDeviceEnum, OffloadStateTypeEnum
 from deepspeed.runtime.zero.partition_parameters import ZeroParamStatus
 from deepspeed.runtime.zero.stage3 import DeepSpeedZeroOptimizer_Stage3
-from deepspeed.runtime.zero.utils import get_norm_dtype
 from deepspeed.utils import logger
 
 from ds_odc.config import odc_config_from_ds_config
@@ -58,8 +58,7 @@ class OdcOptimizer(privates.Stage3Seams, DeepSpeedZeroOptimizer_Stage3):
     """``DeepSpeedZeroOptimizer_Stage3`` whose gathers and reduce-scatters are one-sided transport operations."""
 
     coordinator_class = OdcParamCoordinator  # what the parameter coordinator DeepSpeed builds becomes
-    odc: OdcState  # how shards and gradients move: set before DeepSpeed's constructor runs
-    host_step: HostStep | None = None  # with offload_optimizer: the gradients' way to the host, the parameters' back
+    # (and from Stage3Seams: ``odc``, the OdcState, set before DeepSpeed's constructor runs; ``host_step``)
 
     def __init__(self, *args, **kwargs):
         config = odc_config_from_ds_config(kwargs["ds_config"])
@@ -71,7 +70,7 @@ class OdcOptimizer(privates.Stage3Seams, DeepSpeedZeroOptimizer_Stage3):
         # Pushes read each gradient where autograd left it: copying it into a contiguous bucket first (a stream switch,
         # a copy and a bucket-sized buffer) buys nothing when no collective needs one flat tensor.
         kwargs["contiguous_gradients"] = False
-        super().__init__(*args, **kwargs)  # calls place_trainable_shards() on the way
+        super().__init__(*args, **kwargs)  # places the trainable shards on the way (Stage3Seams)
         trainable = {p.ds_id for p in self._trainable()}
         frozen = [p for p in self.module.parameters() if hasattr(p, "ds_id") and p.ds_id not in trainable]
         self.odc.place_frozen(frozen)
@@ -160,94 +159,11 @@ class OdcOptimizer(privates.Stage3Seams, DeepSpeedZeroOptimizer_Stage3):
                 views[p.ds_id] if p.requires_grad else torch.zeros_like(p.ds_tensor, dtype=torch.float32)
                 for p in group]
 
-    def gradient_norms(self) -> list[torch.Tensor] | None:
-        """Each group's gradient norm, as stock's step takes them (``_get_norm_groups``), or None to leave it to
-        stock. Stock takes one norm per parameter (several tensor ops each, hundreds per step) over views of what under
-        ODC is one flat fp32 accumulator, where each group's gradients are one contiguous range; so one norm per group,
-        summed over the same process group, with stock's -1 for a non-finite norm. The squares add up in stock's norm
-        dtype (float64 where the device has it; :func:`sum_of_squares`), so the norm rounds as stock's does."""
-        flats = [self.odc.accumulated(group) if all(p.requires_grad for p in group) else None
-                 for group in self.fp16_groups]
-        if any(flat is None for flat in flats) and self.host_step is None:
-            return None  # a frozen parameter in a trainable group: stock counts it as zeros
-        # (with offload_optimizer stock's norms come from gradient copies ODC does not make: such a group is normed
-        # over its trainable parameters' partitions here)
-        views = privates.grad_partition_map(self)
-        norms = []
-        for group, flat in zip(self.fp16_groups, flats):
-            if flat is not None:
-                total = sum_of_squares(flat).reshape(1)
-            else:
-                total = torch.zeros(1, dtype=get_norm_dtype(), device=self.odc.accumulator.local.device)
-                for param in group:
-                    if param.requires_grad:
-                        total += sum_of_squares(views[param.ds_id])
-            dist.all_reduce(total, op=dist.ReduceOp.SUM, group=self._get_param_partition_group(group[0]))
-            norm = total.sqrt().squeeze(0)
-            norm = torch.where(norm.isfinite(), norm, torch.full_like(norm, -1.0))
-            norms.append(norm if self.host_step is None else norm.cpu())  # offloaded: clipping scales host tensors
-        return norms
-
-    def host_gradients(self, sub_group_id: int) -> None:
-        """With ``offload_optimizer``, inside the step: sub-group ``sub_group_id``'s gradient is on the host (in its
-        fp32 master's ``.grad``, where stock's CPU step reads it) once this returns."""
-        if self.host_step is not None:
-            self.host_step.ready(sub_group_id)
-
-    def copy_back_parameters(self, sub_group_id: int) -> bool:
-        """With ``offload_optimizer``, inside the step: start copying sub-group ``sub_group_id``'s new parameters into
-        its shards (finished before the publish). False: copy as stock does."""
-        return self.host_step is not None and self.host_step.copy_back(sub_group_id)
-
     def refresh_persistent_parameters(self) -> None:
         """Re-read the persistent parameters (small ones that stay gathered) from their owners' updated shards, as
         stock does after its update; published shards only, hence after the publish."""
         if self.persistent_parameters:
             self.odc.fetch_now(self.persistent_parameters)
-
-    # -- placement and release (called from DeepSpeed's own code, through the overrides) -------------------------------
-    def place_trainable_shards(self) -> None:
-        """Move the flat buffer of trainable shards (``lp_param_buffer``) into symmetric memory that peers read, right
-        after stock builds it and before anything aliases it, and route each parameter's gathers through ODC."""
-        # where the shards are (with offload_optimizer, stock's self.device is the CPU)
-        self.odc.connect(self.lp_param_buffer.device, self.dp_process_group)
-        params = list(self._trainable())
-        self.lp_param_buffer = self.odc.place_trainable(params, self.lp_param_buffer)
-        self.odc.sync_replicas([self.odc.trainable])  # before stage 3 copies the fp32 master weights from them
-        for param in params:
-            privates.bind_param_methods(param, self.odc)
-
-    def release_full_gradients(self, params) -> None:
-        """Free the full gradients of a pushed bucket (once the stream that pushes them has read them): ODC's pushes
-        already went to the owners, so nothing is copied into a local partition."""
-        stream = get_accelerator().current_stream()  # None where the device has no streams (CPU)
-        for param in params:
-            if param.grad is not None and stream is not None:
-                param.grad.record_stream(stream)
-            param.grad = None
-
-    def release_gathered_parameters(self) -> bool:
-        """At the start of the step, release every gathered parameter (False: leave it to stock, which waits for
-        gathers in flight). Under ODC nothing is in flight at a step (reads are waited where they are issued), every
-        ZeRO parameter is listed already, and a parameter that *is* its shard (one rank) is updated in place by the
-        step, so it stays: only other gathered parameters are released."""
-        coordinator = self.parameter_offload.get_param_coordinator()
-        if privates.has_fetches_in_flight(coordinator):
-            return False
-        release = privates.release_function(coordinator)
-        for param in self.odc.params.values():
-            if param.ds_active_sub_modules:
-                param.ds_active_sub_modules.clear()
-            if param.ds_status != ZeroParamStatus.NOT_AVAILABLE and not self.odc.is_own_shard(param):
-                release(param)
-                if param.ds_status != ZeroParamStatus.NOT_AVAILABLE:
-                    raise RuntimeError(f"{param.ds_summary()} expected to be released")
-        return True
-
-    def settled_on_read(self, gradients: dict) -> dict:
-        """``averaged_gradients`` as this optimizer keeps it: reading an entry lands this minibatch's pushes first
-        (``OdcState.settle``); writing one does not."""
-        return _SettlingDict(gradients, self.odc.settle)
 
     # -- gradients and shards touched outside the step -----------------------------------------------------------------
     def zero_grad(self, set_to_none=True):
@@ -350,41 +266,3 @@ _SYMMETRIC_STATES = (OffloadStateTypeEnum.lp_params, OffloadStateTypeEnum.lp_gra
 
 def _size(nbytes: int) -> str:
     return f"{nbytes / 2**30:.2f} GiB" if nbytes >= 2**30 else f"{nbytes / 2**20:.1f} MiB"
-
-
-class _SettlingDict(dict):
-    """``averaged_gradients``: reading an entry lands this minibatch's pushes first (writing one does not)."""
-
-    def __init__(self, values, settle):
-        super().__init__(values)
-        self._settle = settle
-
-    def __getitem__(self, key):
-        self._settle("reading optimizer.averaged_gradients")
-        return super().__getitem__(key)
-
-    def get(self, key, default=None):
-        self._settle("reading optimizer.averaged_gradients")
-        return super().get(key, default)
-
-    def items(self):
-        self._settle("reading optimizer.averaged_gradients")
-        return super().items()
-
-    def values(self):
-        self._settle("reading optimizer.averaged_gradients")
-        return super().values()
-
-
-_ROW = 256  # elements whose squares add up in fp32 before the sum goes on in the norm dtype
-
-
-def sum_of_squares(grad: torch.Tensor) -> torch.Tensor:
-    """``sum(grad ** 2)`` as a 0-dim tensor of stock ZeRO-3's norm dtype (``get_norm_dtype()``: float64 where the
-    device has it), without a full-size copy in that dtype: fp32 sums over rows of 256 elements (a few roundings
-    each), then the rows' sums in the norm dtype. An fp32 sum over a whole accumulator rounds once per element on a
-    CPU's vector lanes: hundreds of ulps on a large one, and more on one CPU's kernels than on another's."""
-    dtype, flat = get_norm_dtype(), grad.reshape(-1)
-    whole = flat.numel() - flat.numel() % _ROW
-    rows = torch.linalg.vector_norm(flat[:whole].view(-1, _ROW), 2, dim=1, dtype=torch.float32)
-    return rows.to(dtype).square().sum() + flat[whole:].to(dtype).square().sum()

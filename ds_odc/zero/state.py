@@ -43,6 +43,7 @@ from typing import Callable, Iterable, Sequence
 
 import torch
 import torch.distributed as dist
+from deepspeed.accelerator import get_accelerator
 from deepspeed.runtime.zero.partition_parameters import ZeroParamStatus
 from torch.profiler import record_function
 
@@ -54,7 +55,8 @@ from ds_odc.ops.transport import GatherPlan, OdcError, ScatterPlan, Segment, Sym
 from ds_odc.zero.hybrid import HybridGroups, Replicas
 from ds_odc.zero.minibatch import MinibatchTag, check_same_minibatch
 
-__all__ = ["OdcState", "Phase", "FetchHandle", "ShardPlace", "GradPlace", "FetchPlan", "Accumulation", "profiled"]
+__all__ = ["OdcState", "Phase", "FetchHandle", "ShardPlace", "GradPlace", "FetchPlan", "Accumulation", "profiled",
+           "SettlingDict"]
 
 NOT_AVAILABLE, INFLIGHT, AVAILABLE = ZeroParamStatus.NOT_AVAILABLE, ZeroParamStatus.INFLIGHT, ZeroParamStatus.AVAILABLE
 _UNPROFILED = contextlib.nullcontext()
@@ -190,6 +192,17 @@ class OdcState:
             self._move(param, self.trainable, offset)
         return self.trainable.local
 
+    def take_trainable_shards(self, params: Sequence[torch.nn.Parameter], flat: torch.Tensor,
+                              process_group) -> torch.Tensor:
+        """While DeepSpeed builds its optimizer, right after it made ``flat`` (``lp_param_buffer``) and before anything
+        aliases it: start the transport over ``process_group`` where the shards are (with ``offload_optimizer``,
+        stock's optimizer device is the CPU, not theirs), move them into symmetric memory (:meth:`place_trainable`),
+        and give every shard group the first group's, before stage 3 copies the fp32 master weights from them."""
+        self.connect(flat.device, process_group)
+        flat = self.place_trainable(params, flat)
+        self.sync_replicas([self.trainable])
+        return flat
+
     def place_frozen(self, params: Sequence[torch.nn.Parameter]) -> None:
         """Frozen ZeRO params are not in ``lp_param_buffer``: give them symmetric buffers of their own, per dtype."""
         params = sorted(params, key=lambda p: p.ds_id)
@@ -279,6 +292,31 @@ class OdcState:
         if todo:
             self.fetch(todo).wait()
 
+    def fetch_missing(self, params: Iterable[torch.nn.Parameter], stream) -> int:
+        """The parameter coordinator's gather, for fetches and prefetches alike: read those of ``params`` that are
+        partitioned from their owners on the coordinator's fetch ``stream``; returns the elements read (the coordinator
+        counts them). The reads are not registered as in flight: every ``fetch_sub_module`` ends by ordering the
+        compute stream after the fetch stream, so the per-parameter wait that registering buys (a stream switch and an
+        event per parameter, per block, per microbatch) adds only host time."""
+        todo = [p for p in params if p.ds_status == NOT_AVAILABLE]
+        if not todo:
+            return 0
+        with get_accelerator().stream(stream):
+            self.fetch(todo).wait()
+        return sum(p.ds_numel for p in todo)
+
+    def release_gathered(self, release: Callable[[torch.nn.Parameter], None]) -> None:
+        """At the start of the step (nothing in flight: reads are waited where they are issued), release every gathered
+        parameter through the coordinator's ``release``. Every ZeRO parameter is listed here already, and a parameter
+        that *is* its shard (one rank) is updated in place by the step, so it stays: only the others are released."""
+        for param in self.params.values():
+            if param.ds_active_sub_modules:
+                param.ds_active_sub_modules.clear()
+            if param.ds_status != NOT_AVAILABLE and not self.is_own_shard(param):
+                release(param)
+                if param.ds_status != NOT_AVAILABLE:
+                    raise RuntimeError(f"{param.ds_summary()} expected to be released")
+
     def _plan_fetch(self, params: list[torch.nn.Parameter]) -> FetchPlan:
         for param in params:
             if param.ds_status != NOT_AVAILABLE:
@@ -319,6 +357,15 @@ class OdcState:
             self._meet_lockstep("the lock-step meeting after a gradient push")
         if self.phase is not Phase.STEPPING:
             self.phase = Phase.ACCUMULATING
+
+    def free_pushed_gradients(self, params: Sequence[torch.nn.Parameter]) -> None:
+        """Free the full gradients of a pushed bucket (once the stream that pushes them has read them): the pushes went
+        to the owners, so nothing is copied into a local partition."""
+        stream = get_accelerator().current_stream()  # None where the device has no streams (CPU)
+        for param in params:
+            if param.grad is not None and stream is not None:
+                param.grad.record_stream(stream)
+            param.grad = None
 
     def _meet_lockstep(self, what: str) -> None:
         with profiled("ds_odc::lockstep"):
@@ -410,6 +457,11 @@ class OdcState:
         # The caller reads or writes the gradients after this returns; a fast peer's next microbatch must not land
         # in them meanwhile (on a GPU pushes add straight into the accumulator), so pushes wait for one more meeting
         # (the fence left the phase SETTLED: see _release_pushes).
+
+    def settled_on_read(self, gradients: dict) -> dict:
+        """``gradients`` (stock's ``averaged_gradients``) as a dict whose reads land this minibatch's pushes first
+        (:meth:`settle`); writing an entry does not."""
+        return SettlingDict(gradients, self.settle)
 
     def discard(self, why: str) -> None:
         """``optimizer.zero_grad()`` before the step, on every rank: as stock, the gradients so far stay readable (and
@@ -521,3 +573,27 @@ class OdcState:
     def close(self) -> None:
         if self.transport is not None:
             self.transport.close()
+
+
+class SettlingDict(dict):
+    """A dict whose reads call ``settle`` first (:meth:`OdcState.settled_on_read`); writes do not."""
+
+    def __init__(self, values, settle: Callable[[str], None]):
+        super().__init__(values)
+        self._settle = settle
+
+    def __getitem__(self, key):
+        self._settle("reading optimizer.averaged_gradients")
+        return super().__getitem__(key)
+
+    def get(self, key, default=None):
+        self._settle("reading optimizer.averaged_gradients")
+        return super().get(key, default)
+
+    def items(self):
+        self._settle("reading optimizer.averaged_gradients")
+        return super().items()
+
+    def values(self):
+        self._settle("reading optimizer.averaged_gradients")
+        return super().values()

@@ -1,4 +1,5 @@
-"""The fetch unit (ds_odc/zero/blocks.py), in process: which modules become blocks, and their inputs."""
+"""The fetch unit (ds_odc/zero/blocks.py), in process: the model's blocks (ds_odc/training/blocks.py) become leaf
+modules, and their inputs get a gradient."""
 
 import torch
 
@@ -6,7 +7,8 @@ import ds_odc  # noqa: F401
 from deepspeed.runtime.zero.config import get_zero_config
 from deepspeed.utils import z3_leaf_module
 
-from ds_odc.zero.blocks import block_classes, fetch_by_block
+from ds_odc.training.blocks import transformer_blocks
+from ds_odc.zero.blocks import fetch_by_block
 
 
 class Block(torch.nn.Module):
@@ -34,23 +36,23 @@ def _zero(extra=None):
 
 def test_blocks_are_the_no_split_modules_and_become_leaves():
     model = Model()
-    assert block_classes(model) == {"Block"}
-    blocks = fetch_by_block(model, _zero(), "block")
+    blocks = fetch_by_block(transformer_blocks(model), _zero(), "block")
     assert blocks == list(model.blocks) and all(z3_leaf_module(b) for b in model.blocks)
     assert not z3_leaf_module(model.blocks[0].inner)
+    assert fetch_by_block(transformer_blocks(model), _zero(), "block") == []  # a second engine: flagged once
 
 
 def test_module_unit_or_user_leaf_config_leave_the_model_alone():
     model = Model()
-    assert fetch_by_block(model, _zero(), "module") == []
+    assert fetch_by_block(transformer_blocks(model), _zero(), "module") == []
     chosen = _zero({"leaf_module": {"classes": ["Something"]}})
-    assert fetch_by_block(model, chosen, "block") == [] and not z3_leaf_module(model.blocks[0])
-    assert fetch_by_block(torch.nn.Linear(2, 2), _zero(), "block") == []  # no _no_split_modules: per module
+    assert fetch_by_block(transformer_blocks(model), chosen, "block") == [] and not z3_leaf_module(model.blocks[0])
+    assert fetch_by_block(transformer_blocks(torch.nn.Linear(2, 2)), _zero(), "block") == []  # no blocks: per module
 
 
 def test_a_block_input_without_grad_gets_one_positionally_or_by_keyword():
     model = Model()
-    fetch_by_block(model, _zero(), "block")
+    fetch_by_block(transformer_blocks(model), _zero(), "block")
     hidden = model.embed(torch.tensor([[1, 2]]))
     assert not hidden.requires_grad
     model.blocks[0](hidden)

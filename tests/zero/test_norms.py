@@ -4,7 +4,7 @@ EPYC's kernels (300,001 elements), which a logged ``grad_norm`` compared with st
 
 import torch
 
-from ds_odc.zero.optimizer import sum_of_squares
+from ds_odc.zero.norms import sum_of_squares
 from deepspeed.runtime.zero.utils import get_norm_dtype
 
 
