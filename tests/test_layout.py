@@ -513,3 +513,72 @@ def test_compiled_blocks_import_no_deepspeed():
     for module in DEEPSPEED_FREE:
         reached = _deepspeed_reached(module, _modules(), edges)
         assert not reached, f"{module} imports DeepSpeed through {reached}: keep it free of DeepSpeed (and of zero/)"
+
+# Transformers', Accelerate's and TRL's privates that ds_odc uses are registered, with a reason each, in
+# ds_odc/integrations/_hf_privates.py, which alone reads or writes them (through its accessors). An override may
+# define such a method and call its stock version, ``super().<name>(...)``, inside itself. The balancer never touches
+# a trainer (a leaf: numpy only), and its sampler's own ``_step`` is its own.
+HF_PRIVATES_MODULE = "ds_odc.integrations._hf_privates"
+HF_PRIVATES_EXEMPT = ("ds_odc.balancer",)
+
+
+def _registered_hf_privates() -> set[str]:
+    """The names registered in ``_hf_privates``: keys of its ``*_PRIVATES`` dicts (``save_model(_internal_call)``:
+    ``save_model``; ``GradientState._set_sync_gradients``: ``_set_sync_gradients``) and ``INSTANCE_ATTRIBUTES``."""
+    names = set()
+    for node in _modules()[HF_PRIVATES_MODULE].body:
+        if not (isinstance(node, ast.Assign) and isinstance(node.targets[0], ast.Name)):
+            continue
+        target = node.targets[0].id
+        if target.endswith("_PRIVATES") and isinstance(node.value, ast.Dict):
+            names |= {k.value.partition("(")[0].rpartition(".")[2] for k in node.value.keys}
+        elif target == "INSTANCE_ATTRIBUTES":
+            names |= {e.value for e in node.value.elts}
+    return names
+
+
+def _hf_private_reaches(tree: ast.Module, names: set[str]) -> list[tuple[int, str]]:
+    """(line, name) for every read or write of a registered name in ``tree`` (``x.name``, ``getattr(x, "name")``),
+    but ``super().name`` inside a function of that name (an override calling its stock version)."""
+    found = []
+
+    def visit(node: ast.AST, function: str | None) -> None:
+        if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef)):
+            function = node.name
+        if isinstance(node, ast.Attribute) and node.attr in names:
+            is_super = (isinstance(node.value, ast.Call) and isinstance(node.value.func, ast.Name)
+                        and node.value.func.id == "super")
+            if not (is_super and function == node.attr):
+                found.append((node.lineno, node.attr))
+        elif (isinstance(node, ast.Call) and isinstance(node.func, ast.Name) and node.func.id in ATTRIBUTE_BUILTINS
+              and len(node.args) >= 2 and isinstance(node.args[1], ast.Constant) and node.args[1].value in names):
+            found.append((node.lineno, node.args[1].value))
+        for child in ast.iter_child_nodes(node):
+            visit(child, function)
+
+    visit(tree, None)
+    return sorted(found)
+
+
+def test_the_hf_private_check_sees_every_kind_of_reach():
+    names = {"_metrics", "_prepare_inputs", "router_aux_loss_coef"}
+    snippet = ast.parse("self._metrics['train'] = {}\n"
+                        "getattr(model, 'router_aux_loss_coef', None)\n"
+                        "class T:\n"
+                        "    def _prepare_inputs(self, inputs):\n"
+                        "        return super()._prepare_inputs(inputs)\n"  # an override's stock call: allowed
+                        "    def odc_loss(self, model, mb):\n"
+                        "        return super()._prepare_inputs(mb) + self._prepare_inputs(mb)\n"
+                        "trainer._metrics\n")
+    assert _hf_private_reaches(snippet, names) == [(1, "_metrics"), (2, "router_aux_loss_coef"),
+                                                   (7, "_prepare_inputs"), (7, "_prepare_inputs"), (8, "_metrics")]
+    assert {"_prepare_inputs", "save_model", "_set_sync_gradients", "_metrics", "_step"} <= _registered_hf_privates()
+
+
+def test_hf_privates_only_through_their_accessors():
+    names = _registered_hf_privates()
+    reaches = [f"{name}:{line} uses .{attr}" for name, tree in _modules().items()
+               if name != HF_PRIVATES_MODULE and not name.startswith(HF_PRIVATES_EXEMPT)
+               for line, attr in _hf_private_reaches(tree, names)]
+    assert not reaches, (f"{reaches}: read or write these Transformers / Accelerate / TRL names through an accessor "
+                         f"of {HF_PRIVATES_MODULE} (add one there, next to the entry that says why)")

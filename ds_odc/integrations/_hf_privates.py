@@ -1,7 +1,9 @@
 """Every private of transformers, Accelerate and TRL that ds_odc's trainers use, in one place.
 
 The trainers override public ``Trainer`` methods wherever one exists; what follows is what they could not do without.
-Each entry says why. :func:`check_transformers` runs when :mod:`ds_odc.integrations.transformers` is imported and
+Each entry says why. Code elsewhere in ds_odc reads or writes these names only through the accessors below (an
+override may define the method and call its stock version, ``super().<name>(...)``, inside itself);
+``tests/test_layout.py`` checks it. :func:`check_transformers` runs when :mod:`ds_odc.integrations.transformers` is imported and
 :func:`check_trl` when a TRL trainer is, so a library that renamed or removed one of them fails at import with a
 message naming the versions, never with an ``AttributeError`` in the middle of a run or a hang. DeepSpeed's privates
 live in :mod:`ds_odc.zero._deepspeed_privates`.
@@ -15,9 +17,12 @@ import contextlib
 import inspect
 
 __all__ = ["TRANSFORMERS_PRIVATES", "ACCELERATE_PRIVATES", "TRL_GRPO_PRIVATES", "TRL_SFT_PRIVATES", "TRL_DPO_PRIVATES",
-           "INSTANCE_ATTRIBUTES", "check_transformers", "check_trl", "check_trl_instance", "set_sync_gradients",
-           "release_precompute_engine",
-           "loss_shifts_labels", "remove_unused_columns", "rank_local_collectives", "match_accelerate_backend"]
+           "INSTANCE_ATTRIBUTES", "check_transformers", "check_trl", "check_trl_instance",
+           "prepare_inputs", "loss_shifts_labels", "remove_unused_columns", "set_sync_gradients",
+           "trl_step_context", "trl_train_metrics", "redirected_trl_metrics", "add_trl_train_tokens", "trl_loss", "grpo_per_token_logps",
+           "generate_and_score", "trl_microstep", "advance_trl_microstep", "trl_pad_token_id", "is_vision_language",
+           "router_loss_enabled", "router_loss_left_out", "router_coef", "scaled_router_coef",
+           "release_precompute_engine", "rank_local_collectives", "match_accelerate_backend"]
 
 TRL_SUPPORTED = ">=1.16,<1.17"
 
@@ -37,7 +42,8 @@ ACCELERATE_PRIVATES = {
                                          "whole optimizer step, so the trainers set it around their own microbatches",
 }
 # Written, not only read: accelerate.PartialState.backend (see match_accelerate_backend); a MoE causal LM's
-# router_aux_loss_coef (public, read by its forward; scaled per microbatch: _runner.router_loss_weight).
+# router_aux_loss_coef (public, read by its forward; scaled per microbatch: scaled_router_coef, weighted by
+# ds_odc.integrations._router_loss).
 # trl.GRPOTrainer
 TRL_GRPO_PRIVATES = {
     "_generate_single_turn": "overridden: generation runs inside lockstep_free instead of TRL's full-model gather",
@@ -126,6 +132,12 @@ def _raise_missing(owner: str, missing: list[str]) -> None:
                           f"is tested with trl 1.16 (pip install 'trl{TRL_SUPPORTED}')")
 
 
+# -- accessors: the one way the trainers read or write a name of the registers above ---------------------------------
+def prepare_inputs(trainer, inputs):
+    """See TRANSFORMERS_PRIVATES: ``trainer``'s move of a batch to the device (``OdcTrainer``'s override included)."""
+    return trainer._prepare_inputs(inputs)
+
+
 def set_sync_gradients(accelerator, value: bool) -> None:
     """See ACCELERATE_PRIVATES: sync off, Accelerate marks no boundary and does not step (ODC pushes the gradients);
     sync on, the next backward or explicit step is the boundary."""
@@ -150,6 +162,109 @@ def loss_shifts_labels(trainer) -> bool:
 def remove_unused_columns(trainer, dataset):
     """See TRANSFORMERS_PRIVATES: what the stock train loader does to a ``datasets.Dataset``."""
     return trainer._remove_unused_columns(dataset, description="training")
+
+
+def trl_step_context(trainer):
+    """What TRL's SFT and DPO trainers run their ``training_step`` inside (``maybe_activation_offload_context``:
+    activation offloading), or a null context. An ODC step trains its microbatches without that ``training_step``, so
+    each microbatch runs inside it instead."""
+    return getattr(trainer, "maybe_activation_offload_context", None) or contextlib.nullcontext()
+
+
+def trl_train_metrics(trainer) -> dict:
+    """See TRL_*_PRIVATES (``_metrics``): the training metrics TRL logs next, by name (lists of values)."""
+    return trainer._metrics["train"]
+
+
+@contextlib.contextmanager
+def redirected_trl_metrics(trainer, sink: dict, *, keep_token_count: bool = False):
+    """See TRL_*_PRIVATES (``_metrics``, ``_total_train_tokens``): inside the block TRL's training metrics go to
+    ``sink``; afterwards they go where they went before, and with ``keep_token_count`` TRL's running token count is
+    what it was (ODC sets it once per step, from every rank's tokens)."""
+    logged = trainer._metrics["train"]
+    tokens = trainer._total_train_tokens if keep_token_count else None
+    trainer._metrics["train"] = sink
+    try:
+        yield sink
+    finally:
+        trainer._metrics["train"] = logged
+        if keep_token_count:
+            trainer._total_train_tokens = tokens
+
+
+def add_trl_train_tokens(trainer, tokens: int) -> int:
+    """See TRL_SFT_PRIVATES / TRL_DPO_PRIVATES (``_total_train_tokens``): add ``tokens`` to TRL's running count (logged
+    as ``num_tokens``); returns the new count."""
+    trainer._total_train_tokens += tokens
+    return trainer._total_train_tokens
+
+
+def trl_loss(trainer, *args):
+    """See TRL_GRPO_PRIVATES / TRL_DPO_PRIVATES (``_compute_loss``): TRL's own loss of one batch."""
+    return trainer._compute_loss(*args)
+
+
+def grpo_per_token_logps(trainer, *args, **kwargs):
+    """See TRL_GRPO_PRIVATES (``_get_per_token_logps_and_entropies``): TRL's own padded scoring, past the override."""
+    from trl import GRPOTrainer
+    return GRPOTrainer._get_per_token_logps_and_entropies(trainer, *args, **kwargs)
+
+
+def generate_and_score(trainer, inputs):
+    """See TRL_GRPO_PRIVATES (``_generate_and_score_completions``): one generation batch, scored, as TRL makes it."""
+    return trainer._generate_and_score_completions(inputs)
+
+
+def trl_microstep(trainer) -> int:
+    """See TRL_GRPO_PRIVATES (``_step``): TRL's microstep counter."""
+    return trainer._step
+
+
+def advance_trl_microstep(trainer) -> None:
+    """See TRL_GRPO_PRIVATES (``_step``): one Trainer microstep done."""
+    trainer._step += 1
+
+
+def trl_pad_token_id(trainer) -> int:
+    """See TRL_GRPO_PRIVATES (``_tokenizer``): the pad token of the microbatches ODC collates."""
+    return trainer._tokenizer.pad_token_id
+
+
+def is_vision_language(trainer) -> bool:
+    """See TRL_GRPO_PRIVATES (``_is_vlm``)."""
+    return bool(trainer._is_vlm)
+
+
+def router_loss_enabled(trainer) -> bool:
+    """See TRL_GRPO_PRIVATES (``aux_loss_enabled``): whether TRL's loss adds a MoE router term."""
+    return bool(trainer.aux_loss_enabled)
+
+
+@contextlib.contextmanager
+def router_loss_left_out(trainer):
+    """See TRL_GRPO_PRIVATES (``aux_loss_enabled``): TRL's loss adds no router term inside the block."""
+    enabled, trainer.aux_loss_enabled = trainer.aux_loss_enabled, False
+    try:
+        yield
+    finally:
+        trainer.aux_loss_enabled = enabled
+
+
+def router_coef(owner) -> float | None:
+    """``router_aux_loss_coef`` of a TRL trainer (TRL_*_PRIVATES) or of a MoE causal LM (read by its forward); ``None``
+    where ``owner`` has none."""
+    return getattr(owner, "router_aux_loss_coef", None)
+
+
+@contextlib.contextmanager
+def scaled_router_coef(owner, factor: float):
+    """``owner``'s ``router_aux_loss_coef`` (:func:`router_coef`) is ``factor`` times what it was inside the block."""
+    coef = owner.router_aux_loss_coef
+    owner.router_aux_loss_coef = coef * factor
+    try:
+        yield
+    finally:
+        owner.router_aux_loss_coef = coef
 
 
 @contextlib.contextmanager

@@ -64,10 +64,10 @@ class SlotMetrics:
 class _List(list):
     def __init__(self, metrics: SlotMetrics, name: str) -> None:
         super().__init__()
-        self._metrics, self._name = metrics, name
+        self.records_to, self.name = metrics, name
 
     def append(self, value) -> None:
-        self._metrics.add(self._name, value)
+        self.records_to.add(self.name, value)
 
 
 class _Sink(dict):
@@ -75,10 +75,10 @@ class _Sink(dict):
 
     def __init__(self, metrics: SlotMetrics) -> None:
         super().__init__()
-        self._metrics = metrics
+        self.records_to = metrics
 
     def __missing__(self, name: str) -> _List:
-        self[name] = _List(self._metrics, name)
+        self[name] = _List(self.records_to, name)
         return self[name]
 
 

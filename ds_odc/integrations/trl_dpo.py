@@ -42,7 +42,7 @@ import contextlib
 import copy
 from collections import defaultdict
 from dataclasses import replace
-from typing import Any
+from typing import Any, Sequence
 
 import numpy as np
 import torch
@@ -52,12 +52,15 @@ from trl.models.utils import disable_gradient_checkpointing
 from trl.trainer.utils import use_adapter
 
 from ds_odc.balancer.lengths import lengths_from_dataset
-from ds_odc.integrations._hf_privates import (TRL_DPO_PRIVATES, check_trl, check_trl_instance, rank_local_collectives,
-                                              release_precompute_engine)
+from ds_odc.integrations._hf_privates import (TRL_DPO_PRIVATES, add_trl_train_tokens, check_trl, check_trl_instance,
+                                              rank_local_collectives, redirected_trl_metrics,
+                                              release_precompute_engine, router_loss_enabled, trl_loss,
+                                              trl_train_metrics)
 from ds_odc.integrations._completions import packed_attention
 from ds_odc.integrations._pairs import (PAIRS_KEY, PER_TOKEN_OUTPUTS, REFERENCE_KEY, PairCollator, PairRows,
                                         ReferenceLogps, ServedOutputs, idle_rows)
-from ds_odc.integrations._runner import Microbatch, odc_enabled
+from ds_odc.integrations._runner import Microbatch
+from ds_odc.integrations._setup import odc_enabled
 from ds_odc.integrations._stock_metrics import SlotMetrics
 from ds_odc.integrations.transformers import OdcTrainer
 
@@ -138,7 +141,7 @@ class OdcDPOTrainer(OdcTrainer, _DPOTrainerArgsSecond):
         if options.oversize == "truncate":
             refused.append("oversize='truncate' (a pair is not cut to the microbatch budget: shorten sequences with "
                            "DPOConfig.max_length, or use oversize='skip' or 'error')")
-        if self.aux_loss_enabled:
+        if router_loss_enabled(self):
             refused.append("the MoE router auxiliary loss (a per-microbatch term: set router_aux_loss_coef=0)")
         _refuse(refused)
         release_precompute_engine(self)  # its hooks on the policy would gather with collectives in ODC's forwards
@@ -153,12 +156,13 @@ class OdcDPOTrainer(OdcTrainer, _DPOTrainerArgsSecond):
         return PairCollator(self.data_collator, packed=self.odc_padding_free)
 
     def odc_prepare_step(self, model, microbatches: list[Microbatch]) -> list[Microbatch]:
-        """The reference model's per-token log-probabilities of every microbatch of the step, on its rows (unless
-        precomputed). A separate reference model is a stock ZeRO-3 engine: its forwards gather parameters with
-        collectives, so each rank runs as many as the rank with the most microbatches."""
+        """The microbatches' inputs on the device and the reference model's per-token log-probabilities of every
+        microbatch of the step, on its rows (unless precomputed). A separate reference model is a stock ZeRO-3 engine:
+        its forwards gather parameters with collectives, so each rank runs as many as the rank with the most
+        microbatches."""
+        microbatches = super().odc_prepare_step(model, microbatches)
         if self.precompute_ref_logps:
             return microbatches
-        microbatches = [replace(mb, inputs=self._prepare_inputs(mb.inputs)) for mb in microbatches]
         forwards = len(microbatches)
         if self.ref_model is not None and self.args.world_size > 1:
             counts = self.accelerator.gather(torch.tensor([forwards], device=self.args.device))
@@ -185,11 +189,9 @@ class OdcDPOTrainer(OdcTrainer, _DPOTrainerArgsSecond):
         with policy, packed_attention(reference) if packed else contextlib.nullcontext():
             return reference(**inputs, fused_lm_head=True).log_probs
 
-    def odc_loss(self, model, mb: Microbatch, return_outputs=False, num_items_in_batch=None):
+    def odc_loss(self, model, mb: Microbatch) -> torch.Tensor:
         """One forward of the microbatch; then TRL's loss of each group of its pairs that shared a stock microbatch,
         weighted by ``pairs * W / G``."""
-        if return_outputs:
-            raise RuntimeError("ds_odc: an ODC training microbatch does not return model outputs")
         inputs = mb.inputs
         rows: PairRows = inputs[PAIRS_KEY]
         outputs = model(**rows.model_inputs(inputs), fused_lm_head=True)
@@ -213,24 +215,23 @@ class OdcDPOTrainer(OdcTrainer, _DPOTrainerArgsSecond):
     def _odc_stock_loss(self, served: ServedOutputs, reference: torch.Tensor | None, batch: dict[str, torch.Tensor]):
         """TRL's loss (a mean over the batch's pairs) and the metrics it logged, of a batch whose forwards are served,
         computed rank-locally."""
-        logged, tokens, ref_model = self._metrics["train"], self._total_train_tokens, self.ref_model
-        self._metrics["train"] = scratch = defaultdict(list)
+        ref_model = self.ref_model
         if reference is not None:
             self.ref_model = ServedOutputs(reference)
         try:
-            with rank_local_collectives(self.accelerator):
-                term = super()._compute_loss(served, batch, False)
+            with redirected_trl_metrics(self, defaultdict(list), keep_token_count=True) as scratch, \
+                    rank_local_collectives(self.accelerator):
+                term = trl_loss(self, served, batch, False)
         finally:
-            self._metrics["train"], self._total_train_tokens, self.ref_model = logged, tokens, ref_model
+            self.ref_model = ref_model
         return term, scratch
 
-    def odc_step_metrics(self, pack, metrics: dict[str, list[float]]) -> None:
+    def odc_step_metrics(self, minibatch: Sequence[int], metrics: dict[str, list[float]]) -> None:
         """TRL's metrics of the step, one value per stock microbatch, and the minibatch's tokens."""
-        logged = self._metrics["train"]
+        logged = trl_train_metrics(self)
         for name, values in metrics.items():
             logged[name].extend(values)
-        self._total_train_tokens += int(self.odc_pair_tokens[self.odc_runner.minibatch_ids(pack)].sum())
-        logged["num_tokens"] = [self._total_train_tokens]
+        logged["num_tokens"] = [add_trl_train_tokens(self, int(self.odc_pair_tokens[minibatch].sum()))]
 
 
 def _record(metrics: SlotMetrics, slot: int, logged: dict[str, list[float]], batch: dict[str, torch.Tensor],

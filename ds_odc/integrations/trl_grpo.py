@@ -19,13 +19,13 @@ sum over all ranks is TRL's loss whatever rank trains which sample. TRL's per-to
 ``clip_ratio/*``, ...) are reconstructed for the stock microbatches too (:mod:`ds_odc.integrations._stock_metrics`),
 so the logs show the curves stock TRL shows. A MoE model's router auxiliary loss, a mean over each microbatch, is
 added once per microbatch, weighted by the microbatch's share of the step's samples (see [Note: per-microbatch
-means] in :mod:`ds_odc.integrations._runner`). LoRA adapters (``peft_config`` or a ``PeftModel``) train as in TRL,
+means] in :mod:`ds_odc.integrations._router_loss`). LoRA adapters (``peft_config`` or a ``PeftModel``) train as in TRL,
 whose reference model is then the base model with the adapters disabled. Without ``odc`` in the config every method
 defers to ``GRPOTrainer``. See docs/RL.md.
 
-The step, the meeting and the logs are ``OdcTrainer``'s (:mod:`ds_odc.integrations._runner`): the trainer picks its
-runner once, in ``__init__`` (:class:`RolloutRunner` with ODC, TRL's own methods without), and adds what is GRPO's:
-lockstep-free generation, the rollout plans and TRL's loss per stock microbatch. The TRL privates this
+The step, the meeting and the logs are every ds_odc trainer's (:meth:`~ds_odc.integrations._runner.OdcRunner.run`):
+the trainer picks its runner once, in ``__init__`` (:class:`RolloutRunner` with ODC, TRL's own methods without), and
+adds what is GRPO's: lockstep-free generation, the rollout plans and TRL's loss per stock microbatch. The TRL privates this
 relies on (``_generate_single_turn``, ``_generate_and_score_completions``, ``_get_per_token_logps_and_entropies``,
 ``_compute_loss``, ``_metrics``, ``_step``) and the Accelerate ones are listed, each with its reason, in
 :mod:`ds_odc.integrations._hf_privates`, and checked when this module is imported (tested with trl 1.16).
@@ -34,10 +34,11 @@ relies on (``_generate_single_turn``, ``_generate_and_score_completions``, ``_ge
 from __future__ import annotations
 
 import contextlib
+import functools
 import time
 from collections import deque
 from dataclasses import dataclass
-from typing import Any, Callable, ContextManager
+from typing import Any, Callable, ContextManager, Sequence
 
 import torch
 from torch.nn.utils.rnn import pad_sequence
@@ -46,17 +47,23 @@ from trl.trainer.utils import shuffle_sequence_dict
 
 import ds_odc
 from ds_odc.balancer.autocost import AutoCost
-from ds_odc.balancer.options import BalancerOptions, choose_cost
+from ds_odc.balancer.options import BalancerOptions
 from ds_odc.integrations import _rollout as rollout
 from ds_odc.integrations._completions import pack_completions, packed_attention, score_completions
-from ds_odc.integrations._hf_privates import (TRL_GRPO_PRIVATES, check_trl, check_trl_instance, match_accelerate_backend,
-                                              rank_local_collectives)
-from ds_odc.integrations._runner import (Microbatch, MinibatchPosition, OdcRunner, RunsOdcSteps, StepRunner,
-                                         balancer_options, load_balancer_state, odc_enabled, save_balancer_state)
-from ds_odc.integrations._stock_metrics import SlotMetrics, combine
+from ds_odc.integrations._hf_privates import (TRL_GRPO_PRIVATES, advance_trl_microstep, check_trl, check_trl_instance,
+                                              generate_and_score, grpo_per_token_logps, is_vision_language,
+                                              match_accelerate_backend, rank_local_collectives,
+                                              redirected_trl_metrics, router_loss_enabled, router_loss_left_out,
+                                              trl_loss, trl_microstep, trl_pad_token_id, trl_train_metrics)
+from ds_odc.integrations._router_loss import router_term
+from ds_odc.integrations._runner import (Microbatch, OdcRunner, RunsOdcSteps, StepRunner, load_balancer_state,
+                                         save_balancer_state)
+from ds_odc.integrations._setup import balancer_options, odc_enabled
+from ds_odc.integrations._stock_metrics import SlotMetrics
 from ds_odc.integrations.generation import RESIDENCIES, lockstep_free
 from ds_odc.training.kernels import training_args_for_kernels
 from ds_odc.zero.engine import is_odc
+from ds_odc.zero.minibatch import MinibatchTag
 
 __all__ = ["OdcGRPOTrainer", "RolloutRunner", "RolloutShare", "LOSS_WEIGHTS"]
 
@@ -160,12 +167,14 @@ class OdcGRPOTrainer(RunsOdcSteps, GRPOTrainer):
         """(global step, this rank's microbatches of global sample ids) of the recent optimizer steps (ODC)."""
         return getattr(self.odc_runner, "plan_history", deque())
 
-    # -- generation ---------------------------------------------------------------------------------------------------
+    # -- the Trainer's and TRL's per-step methods, handed to the runner ----------------------------------------------
+    def training_step(self, model, inputs, num_items_in_batch=None):
+        return self.odc_runner.training_step(model, inputs, num_items_in_batch, super().training_step)
+
     def _generate_single_turn(self, prompt_ids, images, multimodal_fields, num_generations, has_tool_images=False):
-        def stock():
-            return super(OdcGRPOTrainer, self)._generate_single_turn(prompt_ids, images, multimodal_fields,
-                                                                     num_generations, has_tool_images)
-        return self.odc_runner.generate(stock) if self.odc else stock()
+        stock = functools.partial(super()._generate_single_turn, prompt_ids, images, multimodal_fields,
+                                  num_generations, has_tool_images)
+        return self.odc_runner.generate(stock)
 
     # -- the loss -----------------------------------------------------------------------------------------------------
     def odc_loss(self, model, mb: Microbatch) -> torch.Tensor:
@@ -180,20 +189,19 @@ class OdcGRPOTrainer(RunsOdcSteps, GRPOTrainer):
         for i, sample in enumerate(members):
             groups.setdefault(plan.stock_microbatch(sample.gid), []).append(i)
         loss = logps[0].new_zeros(())
-        enabled, self.aux_loss_enabled = self.aux_loss_enabled, False  # a group's loss leaves the router loss out:
-        try:  # the microbatch's is added once, below
+        with router_loss_left_out(self):  # a group's loss leaves the router loss out: the microbatch's is added below
             for (_, slot), index in groups.items():
                 group = [members[i] for i in index]
-                inputs = rollout.collate(group, self._tokenizer.pad_token_id)
-                if share.num_items_in_batch is not None:
-                    inputs["num_items_in_batch"] = share.num_items_in_batch
+                inputs = rollout.collate(group, trl_pad_token_id(self))
+                if mb.num_items_in_batch is not None:
+                    inputs["num_items_in_batch"] = mb.num_items_in_batch
                 width = inputs["completion_ids"].shape[1]
                 mb.metrics.slot = slot
                 # TRL's loss hands its `model` argument to _get_per_token_logps_and_entropies only: the group's
                 # log-probs of the microbatch's forward travel there in its place.
                 served = ServedLogps(_rows([logps[i] for i in index], width),
                                      _rows([entropies[i] for i in index], width))
-                term = super()._compute_loss(served, inputs)
+                term = trl_loss(self, served, inputs)
                 if kind == "rows":
                     weight = len(group) / rows
                 elif kind == "tokens":
@@ -202,13 +210,10 @@ class OdcGRPOTrainer(RunsOdcSteps, GRPOTrainer):
                 else:
                     weight = 1.0
                 loss = loss + term * weight
-        finally:
-            self.aux_loss_enabled = enabled
         if router_loss is not None:
-            # A MoE model's router loss over the microbatch, weighted as the stock microbatches it stands for
-            # (TRL: coef * aux / gas per stock microbatch; see [Note: per-microbatch means] in _runner), and logged
-            # as that weighted mean per stock microbatch
-            loss = loss + self.router_aux_loss_coef * router_loss * self.args.world_size * mb.sample_share
+            # A MoE model's router loss over the microbatch, weighted once (see _router_loss), and logged as that
+            # weighted mean per stock microbatch
+            loss = loss + router_term(self, mb, router_loss)
             value = float(router_loss.detach())
             for (_, slot), index in groups.items():
                 mb.metrics.add_mean("aux_loss", slot, value * len(index), len(index))
@@ -220,16 +225,22 @@ class OdcGRPOTrainer(RunsOdcSteps, GRPOTrainer):
         if self.odc_padding_free:
             row = pack_completions([s.prompt_ids for s in members], [s.completion["completion_ids"] for s in members])
             return score_completions(model, row, compute_entropy=True, autocast=self.accelerator.autocast,
-                                     router_loss=self.aux_loss_enabled)
-        inputs = rollout.collate(members, self._tokenizer.pad_token_id, self.pad_to_multiple_of)
+                                     router_loss=router_loss_enabled(self))
+        inputs = rollout.collate(members, trl_pad_token_id(self), self.pad_to_multiple_of)
         ids = torch.cat([inputs["prompt_ids"], inputs["completion_ids"]], dim=1)
         mask = torch.cat([inputs["prompt_mask"], inputs["completion_mask"]], dim=1)
-        logps, entropies, router_loss = super()._get_per_token_logps_and_entropies(
-            model, ids, mask, inputs["completion_ids"].shape[1], compute_entropy=True,
-            compute_aux_loss=self.aux_loss_enabled)
+        logps, entropies, router_loss = grpo_per_token_logps(
+            self, model, ids, mask, inputs["completion_ids"].shape[1], compute_entropy=True,
+            compute_aux_loss=router_loss_enabled(self))
         lengths = [len(s.completion["completion_mask"]) for s in members]
         return ([logps[r, :n] for r, n in enumerate(lengths)], [entropies[r, :n] for r, n in enumerate(lengths)],
                 router_loss)
+
+    def odc_step_metrics(self, minibatch: Sequence[int], metrics: dict[str, list[float]]) -> None:
+        """TRL's metrics of the step, one value per stock microbatch, as TRL appends them."""
+        logged = trl_train_metrics(self)
+        for name, values in metrics.items():
+            logged[name].extend(values)
 
     def _get_per_token_logps_and_entropies(self, model, input_ids, attention_mask, logits_to_keep, batch_size=None,
                                            compute_entropy=False, *args, **kwargs):
@@ -278,7 +289,7 @@ def _refuse_options(args, trainer_kwargs: dict, options: BalancerOptions) -> Non
 def _refuse_built(trainer: OdcGRPOTrainer) -> None:
     """What only the built trainer tells: TRL's instance attributes, a vision-language model."""
     check_trl_instance(trainer, TRL_GRPO_PRIVATES)
-    if trainer._is_vlm:
+    if is_vision_language(trainer):
         raise ValueError("ds_odc: OdcGRPOTrainer with zero_optimization.odc does not support vision-language models "
                          "(their image inputs are not moved between ranks yet). Turn ODC off for it.")
     if trainer.ref_model is not None and trainer.args.sync_ref_model:
@@ -303,11 +314,11 @@ class ServedLogps:
 @dataclass(frozen=True)
 class RolloutShare:
     """A GRPO microbatch's inputs (:attr:`Microbatch.inputs <ds_odc.integrations._runner.Microbatch.inputs>`): its
-    samples, the plan of their generation batch, and TRL's ``num_items_in_batch`` of that batch."""
+    samples and the plan of their generation batch (TRL's ``num_items_in_batch`` of that batch:
+    :attr:`Microbatch.num_items_in_batch <ds_odc.integrations._runner.Microbatch.num_items_in_batch>`)."""
 
     plan: rollout.RolloutPlan
     samples: list[rollout.Sample]
-    num_items_in_batch: Any = None
 
 
 @dataclass(frozen=True)
@@ -330,7 +341,7 @@ class RolloutRunner(OdcRunner):
     def __init__(self, trainer: OdcGRPOTrainer, options: BalancerOptions, *, padding_free: bool, residency: str,
                  max_resident_bytes: int | None) -> None:
         super().__init__(trainer, options)
-        self.cost = choose_cost(options.cost, getattr(trainer.model, "config", None))
+        self.choose_cost()
         self.padding_free = padding_free
         self.residency = residency
         self.max_resident_bytes = max_resident_bytes
@@ -363,24 +374,24 @@ class RolloutRunner(OdcRunner):
         if not trainer.accelerator.sync_gradients:
             # An earlier accumulation step of the stock loop: the whole optimizer step runs at its last one, where
             # every rank trains its share of the step with its own number of microbatches.
-            trainer._step += 1
+            advance_trl_microstep(trainer)
             return torch.zeros((), device=trainer.args.device)
         model.train()
         gas = trainer.current_gradient_accumulation_steps
-        first = trainer._step - (gas - 1)  # TRL's microstep counter at the first accumulation step of this step
+        first = trl_microstep(trainer) - (gas - 1)  # TRL's microstep counter at the step's first accumulation step
         generate_every = trainer.args.steps_per_generation * trainer.num_iterations
         if first % generate_every == 0 or self.rollout is None:
             self.rollout = self._new_rollout(inputs, gas)
         step_in_batch = (first % trainer.args.steps_per_generation) // gas
         microbatches = self.rollout.plan.steps[step_in_batch][trainer.args.process_index]
         self.plan_history.append((trainer.state.global_step, microbatches))
-        loss = self._train_share(model, microbatches)
-        trainer._step += 1
+        loss = self._train_share(model, microbatches, step_in_batch)
+        advance_trl_microstep(trainer)
         return loss
 
     def _new_rollout(self, inputs, gas: int) -> _Rollout:
         trainer = self.trainer
-        batch = trainer._generate_and_score_completions(inputs)
+        batch = generate_and_score(trainer, inputs)
         batch = shuffle_sequence_dict(batch)  # TRL's own shuffle of the generation batch, same random stream
         plan = rollout.plan_rollout(batch, world=trainer.args.world_size,
                                     batch_rows=trainer.args.per_device_train_batch_size, gas=gas,
@@ -389,38 +400,29 @@ class RolloutRunner(OdcRunner):
         return _Rollout(plan, rollout.exchange(batch, plan, trainer.args.process_index),
                         batch.get("num_items_in_batch"))
 
-    def _train_share(self, model, microbatches: list[list[int]]) -> torch.Tensor:
+    def _train_share(self, model, microbatches: list[list[int]], step_in_batch: int) -> torch.Tensor:
+        """One optimizer step: this rank's ``microbatches`` of the rollout, through
+        :meth:`~ds_odc.integrations._runner.OdcRunner.run`, then TRL's metrics of the step."""
         trainer, current = self.trainer, self.rollout
         metrics = SlotMetrics()
         step_samples = (trainer.args.per_device_train_batch_size * trainer.current_gradient_accumulation_steps
                         * trainer.args.world_size)
-        share = [Microbatch(RolloutShare(current.plan, [current.samples[g] for g in ids], current.num_items_in_batch),
-                            tuple(ids), tuple(current.plan.stock_microbatch(g)[1] for g in ids), metrics,
-                            step_samples=step_samples)
+        share = [Microbatch(RolloutShare(current.plan, [current.samples[g] for g in ids]), tuple(ids),
+                            tuple(current.plan.stock_microbatch(g)[1] for g in ids), metrics,
+                            step_samples=step_samples, num_items_in_batch=current.num_items_in_batch)
                  for ids in microbatches]
-        logged = trainer._metrics["train"]
-        trainer._metrics["train"] = metrics.sink()  # TRL's loss logs here, rank-locally, by stock microbatch
-        try:
-            with rank_local_collectives(trainer.accelerator, on_reduce=metrics.on_reduce):
-                times = self.step(model, share, lambda mb: self._train_microbatch(model, mb),
-                                  MinibatchPosition(None, trainer.state.global_step))
-        finally:
-            trainer._metrics["train"] = logged
         generation, self.generation = tuple(self.generation), [0.0, 0]
-        tokens, sq_tokens = current.plan.load(microbatches)
-        everyone = self.meet(times, tokens, sq_tokens, step_samples, payload=metrics.records, generation=generation)
+        # TRL's loss logs into `metrics`, rank-locally, by stock microbatch
+        with redirected_trl_metrics(trainer, metrics.sink()), \
+                rank_local_collectives(trainer.accelerator, on_reduce=metrics.on_reduce):
+            times, combined = self.run(model, share, MinibatchTag(None, trainer.state.global_step),
+                                       load=current.plan.load(microbatches), num_samples=step_samples,
+                                       metrics=metrics, generation=generation)
         self.microbatch_history.append([r.microbatches for r in self.meter.records[-1].per_rank])
-        for name, values in combine(everyone).items():  # one value per stock microbatch, as TRL appends them
-            logged[name].extend(values)
-        logged["step_time"].append(times.step_s)
+        minibatch = sorted(g for rank in current.plan.steps[step_in_batch] for mb in rank for g in mb)
+        trainer.odc_step_metrics(minibatch, combined)
+        trl_train_metrics(trainer)["step_time"].append(times.step_s)
         return times.loss
-
-    def _train_microbatch(self, model, mb: Microbatch) -> torch.Tensor:
-        trainer = self.trainer
-        with trainer.compute_loss_context_manager():
-            loss = trainer.odc_loss(model, mb)
-        trainer.accelerator.backward(loss, scale_wrt_gas=False)
-        return loss.detach()
 
     def microbatch_context(self, model, mb: Microbatch) -> ContextManager:
         # Packed attention through the backward too: gradient checkpointing runs each layer's forward again there

@@ -16,19 +16,21 @@ arguments, fed this minibatch in the plan's order, trains accumulation step ``k`
 ``num_items_in_batch``, which ``OdcTrainer`` makes the global label-token count. A MoE model's router auxiliary loss,
 a mean over each microbatch, is weighted by the share of the step's samples the microbatch holds, and logged
 (``aux_loss``) as that weighted mean per stock microbatch (see [Note: per-microbatch means] in
-:mod:`ds_odc.integrations._runner`).
+:mod:`ds_odc.integrations._router_loss`).
 """
 
 from __future__ import annotations
 
 import contextlib
 from collections import defaultdict
+from typing import Sequence
 
 import numpy as np
 import torch
 from trl import SFTTrainer
 
-from ds_odc.integrations._hf_privates import TRL_SFT_PRIVATES, check_trl, check_trl_instance, rank_local_collectives
+from ds_odc.integrations._hf_privates import (TRL_SFT_PRIVATES, add_trl_train_tokens, check_trl, check_trl_instance,
+                                              rank_local_collectives, redirected_trl_metrics, trl_train_metrics)
 from ds_odc.integrations._runner import Microbatch
 from ds_odc.integrations.transformers import OdcTrainer
 
@@ -53,21 +55,14 @@ class OdcSFTTrainer(OdcTrainer, SFTTrainer):
         if self.odc:
             check_trl_instance(self, TRL_SFT_PRIVATES)
 
-    def odc_loss(self, model, mb: Microbatch, return_outputs=False, num_items_in_batch=None):
-        logged, tokens, coef = self._metrics["train"], self._total_train_tokens, self.router_aux_loss_coef
-        self._metrics["train"] = defaultdict(list)
-        # SFTTrainer adds the MoE router loss once per microbatch, over its accumulation steps (1 under ODC): weigh it
-        # as the stock microbatches this one stands for (see [Note: per-microbatch means] in _runner)
-        self.router_aux_loss_coef = coef * self.args.world_size * mb.sample_share
-        try:
-            with rank_local_collectives(self.accelerator), _forward_outputs(self.model) as outputs:
-                out = super().odc_loss(model, mb, return_outputs, num_items_in_batch)
-            scratch = self._metrics["train"]
-        finally:
-            self._metrics["train"], self._total_train_tokens = logged, tokens
-            self.router_aux_loss_coef = coef
+    def odc_loss(self, model, mb: Microbatch) -> torch.Tensor:
+        """``OdcTrainer``'s loss (SFTTrainer's ``compute_loss``, a MoE router loss weighted once there), its metrics
+        gathered rank-locally and recorded per sample for the stock microbatches."""
+        with redirected_trl_metrics(self, defaultdict(list), keep_token_count=True) as scratch, \
+                rank_local_collectives(self.accelerator), _forward_outputs(self.model) as outputs:
+            loss = super().odc_loss(model, mb)
         self._odc_record(mb, outputs[-1], scratch)
-        return out
+        return loss
 
     def _odc_record(self, mb: Microbatch, outputs, scratch) -> None:
         """Each sample's entropy sum, correct and label tokens, under the stock accumulation step it belongs to."""
@@ -93,19 +88,17 @@ class OdcSFTTrainer(OdcTrainer, SFTTrainer):
                 for value in values:
                     metrics.add(name, value)
 
-    def odc_step_metrics(self, pack, metrics: dict[str, list[float]]) -> None:
-        logged = self._metrics["train"]
+    def odc_step_metrics(self, minibatch: Sequence[int], metrics: dict[str, list[float]]) -> None:
+        logged = trl_train_metrics(self)
         for name, values in metrics.items():
             logged[name].extend(values)
-        self._total_train_tokens += self._odc_stock_tokens(pack)
-        logged["num_tokens"] = [self._total_train_tokens]
+        logged["num_tokens"] = [add_trl_train_tokens(self, self._odc_stock_tokens(minibatch))]
 
-    def _odc_stock_tokens(self, pack) -> int:
+    def _odc_stock_tokens(self, minibatch: Sequence[int]) -> int:
         """Tokens SFTTrainer counts for this minibatch: per stock microbatch (``B`` consecutive samples of the
         minibatch), the padding-free row's width, or the real tokens of a padded batch."""
         lengths = self.odc_pack_sampler.sampler.lengths
-        minibatch = self.odc_runner.minibatch_ids(pack)
-        G, B = pack.num_samples, self.args.per_device_train_batch_size
+        G, B = len(minibatch), self.args.per_device_train_batch_size
         multiple = self.args.pad_to_multiple_of if self.args.padding_free else None
         total = 0
         for start in range(0, G, B):

@@ -33,7 +33,7 @@ def scenario_equivalence(tmp: str):
 
     from ds_odc.training.collate import PackedCollator
     from ds_odc.integrations import match_accelerate_backend
-    from ds_odc.integrations import _runner
+    from ds_odc.integrations import transformers as odc_transformers
     from ds_odc.integrations.transformers import OdcTrainer
 
     import torch.distributed as dist
@@ -50,17 +50,17 @@ def scenario_equivalence(tmp: str):
                           train_dataset=data, max_tokens_per_microbatch=48, balancer_cost="tokens")  # uneven packs
 
     odc = odc_trainer("odc")
-    planned, plan = [], _runner.plan_buckets  # what OdcTrainer asks to plan before its first step
+    planned, plan = [], odc_transformers.plan_buckets  # what OdcTrainer asks to plan before its first step
 
     def recorded(model, longest, device, dtype):
         planned.append([longest, str(dtype), odc.state.global_step])
         return plan(model, longest, device, dtype)
 
-    _runner.plan_buckets = recorded
+    odc_transformers.plan_buckets = recorded
     try:
         odc.train()
     finally:
-        _runner.plan_buckets = plan
+        odc_transformers.plan_buckets = plan
 
     # The stock Trainer gets the epoch's minibatches in LB-Mini's global order, one sample per microbatch:
     # with per_device 1 and GAS = samples per rank, step s consumes exactly samples [s*G, (s+1)*G) of that order.

@@ -9,10 +9,9 @@ from accelerate.data_loader import skip_first_batches
 from ds_odc.training.collate import PackedCollator
 from ds_odc.balancer.sampler import BalancedBatchSampler
 from ds_odc.integrations._metrics import BalanceMeter
-from ds_odc.integrations._packs import Pack, PackBatchSampler, PackCollator, PackDataset
+from ds_odc.integrations._packs import Pack, PackBatchSampler, PackCollator, PackDataset, PackLoader
 from ds_odc.training.loss import count_loss_tokens
 from ds_odc.training.metrics import bubble_rate, record_from_rows
-from ds_odc.integrations.transformers import _PackLoader
 
 LENGTHS = [5, 17, 9, 30, 4, 12, 22, 7, 15, 11, 26, 6]
 
@@ -20,8 +19,8 @@ LENGTHS = [5, 17, 9, 30, 4, 12, 22, 7, 15, 11, 26, 6]
 def loader(rank: int = 0, world: int = 2):
     data = [{"input_ids": list(range(1, n + 1))} for n in LENGTHS]
     sampler = BalancedBatchSampler(LENGTHS, world_size=world, rank=rank, minibatch_size=3, max_tokens=32, seed=3)
-    return _PackLoader(PackDataset(data), batch_sampler=PackBatchSampler(sampler),
-                       collate_fn=PackCollator(PackedCollator()))
+    return PackLoader(PackDataset(data), batch_sampler=PackBatchSampler(sampler),
+                      collate_fn=PackCollator(PackedCollator()))
 
 
 def test_packs_cover_each_global_minibatch_once():

@@ -6,8 +6,8 @@ from __future__ import annotations
 import pytest
 
 from ds_odc.balancer import BalancerOptions, QuadraticCost, SplitPolicy
-from ds_odc.integrations._runner import (Microbatch, StepRunner, balancer_options, one_pack_per_step,
-                                         with_split_policy)
+from ds_odc.integrations._runner import Microbatch, StepRunner
+from ds_odc.integrations._setup import balancer_options, one_pack_per_step, with_split_policy
 
 CONFIG = {"hidden_size": 64, "intermediate_size": 128, "num_hidden_layers": 2, "num_attention_heads": 4,
           "num_key_value_heads": 2}
