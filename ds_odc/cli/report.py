@@ -193,16 +193,28 @@ def field_docs(cls) -> dict[str, str]:
 
 
 def odc_defaults() -> list[tuple[str, str, str]]:
-    """(key, default, meaning) for every key of the ``odc`` block."""
+    """(key, default, meaning) for every key of the ``odc`` block, the keys of its sub-blocks (``balancer``) as
+    ``balancer.planner``."""
     import json
+    import typing
+
+    from pydantic import BaseModel
 
     from ds_odc.config import OdcConfig
-    docs = field_docs(OdcConfig)
-    rows = []
-    for name, field in OdcConfig.model_fields.items():
-        default = field.get_default(call_default_factory=True)
-        rows.append((name, json.dumps(default), field.description or docs.get(name, "")))
-    return rows
+
+    def rows_of(model, prefix: str) -> list[tuple[str, str, str]]:
+        docs = field_docs(model)
+        rows = []
+        for name, field in model.model_fields.items():
+            default = field.get_default(call_default_factory=True)
+            rows.append((prefix + name, json.dumps(default), field.description or docs.get(name, "")))
+            nested = [t for t in (field.annotation, *typing.get_args(field.annotation))
+                      if isinstance(t, type) and issubclass(t, BaseModel)]
+            if nested:
+                rows.extend(rows_of(nested[0], f"{prefix}{name}."))
+        return rows
+
+    return rows_of(OdcConfig, "")
 
 
 # -- output --------------------------------------------------------------------------------------------------------------
