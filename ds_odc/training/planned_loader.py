@@ -16,7 +16,8 @@ with fewer samples is dropped). As each microbatch is yielded, the engine is tol
 (:mod:`ds_odc.zero.planned`): ``engine.backward`` weighs its loss so that the step trains the gradient of the
 minibatch's global mean loss, the accumulation boundary falls on the rank's last microbatch, and the optimizer step
 checks that every rank steps the same minibatch. With ``cost: "auto"`` the loader measures each step (this rank's
-busy time, tokens and microbatches), gathers every rank's numbers once per step and refits the cost from them;
+busy time, tokens and microbatches, from its first microbatch to the end of its ``engine.step()``), gathers every
+rank's numbers once per step, as that step returns, and refits the cost from them;
 :attr:`PlannedLoader.last_step` holds that record (samples/s, bubble, per-rank busy and wait) for logging.
 
 The microbatches must be consumed in order, one optimizer step per minibatch (the loop above): asking for the next
@@ -83,6 +84,7 @@ class PlannedLoader:
             describe_sample=lambda i: f"sample {i} of the training data ({int(lengths[i])} tokens)")
         self.steps_per_epoch = len(self.sampler)
         self.plan: EnginePlan = attach_plan(engine, per_rank * world, world)
+        self.plan.on_step = self._measure_step
         self.last_step: StepRecord | None = None
         self._world, self._rank = world, rank
         self._epoch = 0
@@ -121,7 +123,7 @@ class PlannedLoader:
 
     # -- one step ------------------------------------------------------------------------------------------------------
     def _close_step(self) -> None:
-        """After the minibatch's last microbatch: check the loop stepped, and measure the step (``cost: "auto"``)."""
+        """Before the next minibatch: check the loop stepped the last one."""
         if self._open is None:
             return
         batch, steps_before = self._open
@@ -130,8 +132,13 @@ class PlannedLoader:
             raise OdcError(f"ds_odc: rank {self._rank}: the loop asked for the next minibatch without engine.step() "
                            f"at the end of minibatch {batch.step} (epoch {batch.epoch}); call engine.step() after "
                            "every engine.backward(), as the stock loop does")
-        if self.sampler.auto is None:
+
+    def _measure_step(self) -> None:
+        """Right after the minibatch's optimizer step (every rank is there): gather every rank's busy time and load
+        once and refit the cost (``cost: "auto"``), so what the loop does between steps is not counted."""
+        if self._open is None or self.sampler.auto is None:
             return
+        batch, _ = self._open
         busy, step_time = self._clock.finish(wait_seconds(self.engine))
         tokens, sq_tokens = self.sampler.load(batch.microbatches)
         self.last_step = gather_step(self.plan.loss_share(), busy, step_time, len(batch.microbatches), tokens,

@@ -225,7 +225,8 @@ def install_planned_loop(make_loader) -> None:
     and the stock loop's ``backward`` and accumulation boundary follow the configured ``gradient_accumulation_steps``;
     with ``zero_optimization.odc.balancer`` the loader is ``make_loader(engine, dataset, collate_fn)`` instead, and the
     engine follows the plan it attaches (:mod:`ds_odc.zero.planned`): ``backward`` weighs the loss by the current
-    microbatch's weight (not 1/gradient_accumulation_steps), and the batch-size questions answer for the plan."""
+    microbatch's weight (not 1/gradient_accumulation_steps), ``step`` at the plan's boundary tells the plan (which
+    measures the step there), and the batch-size questions answer for the plan."""
     from deepspeed.runtime.engine import ROUTE_TRAIN, DeepSpeedEngine
 
     from ds_odc.zero.planned import plan_of
@@ -237,6 +238,7 @@ def install_planned_loop(make_loader) -> None:
     stock_gas = DeepSpeedEngine.gradient_accumulation_steps
     stock_micro = DeepSpeedEngine.train_micro_batch_size_per_gpu
     stock_batch = DeepSpeedEngine.train_batch_size
+    stock_step = DeepSpeedEngine.step
 
     @functools.wraps(stock_io)
     def deepspeed_io(engine, dataset, batch_size=None, route=ROUTE_TRAIN, pin_memory=True, data_sampler=None,
@@ -256,6 +258,15 @@ def install_planned_loop(make_loader) -> None:
         plan.backward_ended()
         return weighted
 
+    @functools.wraps(stock_step)
+    def step(engine, lr_kwargs=None):
+        plan = plan_of(engine)
+        boundary = plan is not None and plan.current is not None and plan.current.boundary
+        result = stock_step(engine, lr_kwargs)
+        if boundary:
+            plan.stepped()
+        return result
+
     @functools.wraps(stock_gas)
     def gradient_accumulation_steps(engine):
         plan = plan_of(engine)
@@ -271,7 +282,7 @@ def install_planned_loop(make_loader) -> None:
         plan = plan_of(engine)
         return stock_batch(engine) if plan is None else plan.minibatch_samples
 
-    for name, method in [("deepspeed_io", deepspeed_io), ("backward", backward),
+    for name, method in [("deepspeed_io", deepspeed_io), ("backward", backward), ("step", step),
                          ("gradient_accumulation_steps", gradient_accumulation_steps),
                          ("train_micro_batch_size_per_gpu", train_micro_batch_size_per_gpu),
                          ("train_batch_size", train_batch_size)]:

@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import time
 from dataclasses import dataclass
+from typing import Callable
 
 __all__ = ["PlannedMicrobatch", "EnginePlan", "plan_of", "attach_plan"]
 
@@ -48,6 +49,7 @@ class EnginePlan:
         self.current: PlannedMicrobatch | None = None
         self.backward_ended_s: float | None = None
         self._loss_share = None  # a tensor: no device sync per microbatch
+        self.on_step: Callable[[], None] | None = None  # called when the minibatch's optimizer step returned
 
     def follow(self, engine, microbatch: PlannedMicrobatch) -> None:
         """``engine``'s next forward, backward and step train ``microbatch``."""
@@ -66,6 +68,11 @@ class EnginePlan:
 
     def backward_ended(self) -> None:
         self.backward_ended_s = time.perf_counter()
+
+    def stepped(self) -> None:
+        """``engine.step()`` at the rank's last microbatch of the minibatch returned: the step is over."""
+        if self.on_step is not None:
+            self.on_step()
 
     def loss_share(self) -> float:
         """This rank's share of the minibatch's global mean loss (the ranks' shares add up to it)."""
