@@ -19,7 +19,7 @@ from __future__ import annotations
 import time
 from dataclasses import dataclass
 
-__all__ = ["PlannedMicrobatch", "EnginePlan", "plan_of", "attach_plan"]
+__all__: list[str] = []
 
 _ATTRIBUTE = "ds_odc_plan"
 
