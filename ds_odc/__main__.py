@@ -8,7 +8,7 @@ from __future__ import annotations
 import argparse
 import sys
 
-__all__ = ["main"]
+__all__: list[str] = []
 
 NEEDED = ("torch", "deepspeed", "pydantic")  # what every command imports (pydantic: DeepSpeed's config models)
 

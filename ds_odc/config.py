@@ -21,7 +21,7 @@ from deepspeed.runtime.zero.config import DeepSpeedZeroConfig
 from pydantic import BaseModel, Field, PositiveInt, ValidationError, field_validator, model_validator
 from pydantic_core import PydanticCustomError
 
-__all__ = ["BalancerConfig", "OdcConfig", "OdcZeroConfig", "odc_config_from_ds_config"]
+__all__ = ["OdcConfig", "odc_config_from_ds_config"]
 
 
 class BalancerConfig(DeepSpeedConfigModel):

@@ -582,3 +582,47 @@ def test_hf_privates_only_through_their_accessors():
                for line, attr in _hf_private_reaches(tree, names)]
     assert not reaches, (f"{reaches}: read or write these Transformers / Accelerate / TRL names through an accessor "
                          f"of {HF_PRIVATES_MODULE} (add one there, next to the entry that says why)")
+
+
+# -- a small public surface ---------------------------------------------------------------------------------------------
+# ``__all__`` lists what users import (docs/, README.md, examples/, benchmarks/) and a module's documented API; names
+# that only other ds_odc modules or the tests use stay importable but out of ``__all__``. A private module (its file
+# name starts with ``_``) exports nothing. Measured: 127 names across 84 modules (498 before the surface was cut).
+MAX_EXPORTED = 144
+
+
+def _exported_count(modules: dict[str, ast.Module]) -> int:
+    return sum(len(_all_of(tree) or []) for tree in modules.values())
+
+
+def _private_modules_exporting(modules: dict[str, ast.Module]) -> list[str]:
+    """``module: names`` for every private module (last part ``_x``, not a dunder) whose ``__all__`` is not empty."""
+    found = []
+    for name, tree in modules.items():
+        last = name.rpartition(".")[2]
+        if last.startswith("_") and not last.startswith("__") and _all_of(tree):
+            found.append(f"{name}: {_all_of(tree)}")
+    return sorted(found)
+
+
+def test_the_surface_checks_see_a_planted_export():
+    planted = {"ds_odc.zero._helpers": ast.parse("__all__ = ['helper']\ndef helper(): pass\n"),
+               "ds_odc.zero._quiet": ast.parse("__all__: list[str] = []\n"),
+               "ds_odc.__main__": ast.parse("__all__ = ['main']\n"),
+               "ds_odc.zero.engine": ast.parse("__all__ = ['is_odc', 'wait_seconds']\n")}
+    assert _private_modules_exporting(planted) == ["ds_odc.zero._helpers: ['helper']"]
+    assert _exported_count(planted) == 4
+    too_many = {f"ds_odc.m{i}": ast.parse("__all__ = ['a', 'b']\n") for i in range(MAX_EXPORTED // 2 + 1)}
+    assert _exported_count(too_many) > MAX_EXPORTED
+
+
+def test_private_modules_export_nothing():
+    exporting = _private_modules_exporting(_modules())
+    assert not exporting, (f"{exporting}: a private module's names are for its package only; set its __all__ to [] "
+                           "(a user-facing name belongs in a public module, re-exported lazily if need be)")
+
+
+def test_the_public_surface_stays_small():
+    count = _exported_count(_modules())
+    assert count <= MAX_EXPORTED, (f"{count} names in __all__ across ds_odc/ (at most {MAX_EXPORTED}): keep in __all__ "
+                                   "only what users import (docs, examples, benchmarks) and the module's documented API")

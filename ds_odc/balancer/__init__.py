@@ -17,40 +17,5 @@ from .planners import PLANNERS, Planner, get_planner, plan_minibatch
 from .sampler import BalancedBatchSampler, RankBatch
 from .sp import SplitPlan, SplitPolicy
 
-__all__ = [
-    "CostModel",
-    "TokenCost",
-    "QuadraticCost",
-    "FittedCost",
-    "get_cost_model",
-    "AutoCost",
-    "CostUpdate",
-    "BalancerOptions",
-    "choose_cost",
-    "planning_cost",
-    "auto_cost_prior",
-    "DataError",
-    "DataReport",
-    "partition",
-    "greedy_lpt",
-    "makespan",
-    "pack",
-    "first_fit_decreasing",
-    "PackingError",
-    "Plan",
-    "SplitSample",
-    "plan_minibatch",
-    "Planner",
-    "PLANNERS",
-    "get_planner",
-    "OVERSIZE_POLICIES",
-    "SplitPolicy",
-    "SplitPlan",
-    "BalancedBatchSampler",
-    "RankBatch",
-    "read_lengths",
-    "lengths_from_dataset",
-    "lengths_from_file",
-    "sq_lengths_from_dataset",
-]
+__all__ = ["CostModel", "TokenCost", "QuadraticCost", "FittedCost", "AutoCost", "CostUpdate", "BalancerOptions", "DataError", "Plan", "RankBatch", "plan_minibatch", "PLANNERS", "get_planner", "SplitPolicy", "BalancedBatchSampler", "read_lengths", "lengths_from_dataset", "lengths_from_file", "sq_lengths_from_dataset"]
 

@@ -41,7 +41,7 @@ import numpy as np
 from .cost import CostModel, FittedCost
 from .lsq import Stats, residual_ss, solve, stats_of
 
-__all__ = ["AutoCost", "CostUpdate", "rank_rows"]
+__all__ = ["AutoCost"]
 
 # A step is never an outlier for a residual under 5% of its rms busy time, or for a total busy time within 25% of
 # what the fit predicts for it.

@@ -14,7 +14,7 @@ from typing import Callable, Sequence
 
 import numpy as np
 
-__all__ = ["DataError", "DataReport", "check_lengths", "check_label_lengths"]
+__all__: list[str] = []
 
 logger = logging.getLogger("ds_odc.balancer")
 

@@ -29,15 +29,7 @@ from typing import Any, Mapping, Sequence, Union
 
 import numpy as np
 
-__all__ = [
-    "CostModel",
-    "TokenCost",
-    "QuadraticCost",
-    "FittedCost",
-    "get_cost_model",
-    "COST_MODELS",
-    "MICROBATCH_PRIOR_TOKENS",
-]
+__all__ = ["QuadraticCost"]
 
 # Until it is measured, a microbatch's fixed cost is taken to be worth this many tokens of compute. On the GPUs
 # measured so far it was worth several thousand (0.27 s per microbatch at 1.5B on H200), on 2 CPU cores with a tiny

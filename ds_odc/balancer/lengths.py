@@ -14,7 +14,7 @@ from typing import Any
 
 import numpy as np
 
-__all__ = ["read_lengths", "lengths_from_dataset", "sq_lengths_from_dataset", "lengths_from_file"]
+__all__ = ["read_lengths"]
 
 
 def read_lengths(path: "str | Path") -> np.ndarray:

@@ -15,7 +15,7 @@ from typing import Sequence
 
 import numpy as np
 
-__all__ = ["NUM_TERMS", "Stats", "stats_of", "solve", "residual_ss"]
+__all__: list[str] = []
 
 NUM_TERMS = 4  # a (per token), b (per squared document length), c (per microbatch), d (per step)
 

@@ -32,7 +32,7 @@ from .plan import OVERSIZE_POLICIES
 from .planners import DEFAULT_PLANNER, Planner, get_planner
 from .sp import SplitPolicy
 
-__all__ = ["BalancerOptions", "CostChoice", "choose_cost", "planning_cost", "auto_cost_prior"]
+__all__: list[str] = []
 
 logger = logging.getLogger("ds_odc.balancer")
 

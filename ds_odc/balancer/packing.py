@@ -23,7 +23,7 @@ from typing import Sequence
 from .cost import CostModel, get_cost_model
 from .partitioner import partition
 
-__all__ = ["pack", "pack_positions", "fewest_bins", "first_fit_decreasing", "PackingError"]
+__all__: list[str] = []
 
 
 class PackingError(ValueError):

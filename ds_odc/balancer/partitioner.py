@@ -50,8 +50,7 @@ from typing import Callable, Sequence
 
 import numpy as np
 
-__all__ = ["partition", "greedy_lpt", "makespan", "exchange_search", "search_from_heaviest",
-           "DEFAULT_MAX_PARTNERS"]
+__all__: list[str] = []
 
 DEFAULT_MAX_PARTNERS = 16
 FREE_KK_MAX_ITEMS = 1024

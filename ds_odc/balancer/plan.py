@@ -20,8 +20,7 @@ import numpy as np
 
 from .cost import CostModel, get_cost_model
 
-__all__ = ["OVERSIZE_POLICIES", "RUNTIMES", "Plan", "SplitSample", "CheckedMinibatch", "checked_minibatch",
-           "effective_lengths", "odc_schedule", "step_time"]
+__all__ = ["step_time"]
 
 OVERSIZE_POLICIES = ("error", "truncate", "skip")
 

@@ -30,8 +30,7 @@ from .plan import OVERSIZE_POLICIES, Plan
 from .sp import SplitPolicy, longest_split_sample, plan_split
 from .whole import assign_lb_micro, assign_lb_mini, assign_local_sort, plan_whole
 
-__all__ = ["Planner", "PLANNERS", "DEFAULT_PLANNER", "BASELINE_PLANNER", "OVERSIZE_POLICIES", "get_planner",
-           "plan_minibatch"]
+__all__ = ["PLANNERS", "DEFAULT_PLANNER", "BASELINE_PLANNER", "get_planner", "plan_minibatch"]
 
 DEFAULT_PLANNER = "lb-mini"
 BASELINE_PLANNER = "local-sort"  # what speedups are measured against: close to what stock training does

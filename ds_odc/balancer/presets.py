@@ -33,7 +33,7 @@ from typing import Callable
 
 import numpy as np
 
-__all__ = ["Preset", "PRESETS", "get_preset", "longtail_from_normals"]
+__all__ = ["MODEL_SHAPES", "get_preset", "longtail_from_normals"]
 
 
 @dataclass(frozen=True)

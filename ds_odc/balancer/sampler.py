@@ -44,7 +44,7 @@ from .plan import OVERSIZE_POLICIES, effective_lengths
 from .planners import DEFAULT_PLANNER, get_planner, plan_minibatch
 from .sp import SplitPolicy
 
-__all__ = ["RankBatch", "BalancedBatchSampler", "auto_cost_prior", "last_drawn"]
+__all__ = ["BalancedBatchSampler"]
 
 logger = logging.getLogger("ds_odc.balancer")
 

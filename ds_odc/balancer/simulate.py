@@ -67,8 +67,7 @@ from .presets import MODEL_SHAPES, PRESETS, get_preset
 from .sp import DEFAULT_INTER_NODE_SLOWDOWN, SplitPolicy
 from .traffic import InterNode, parameter_count
 
-__all__ = ["PLAN_COSTS", "WHOLE_SAMPLE_PLANNERS", "StepResult", "Machine", "run_plan", "simulate_step", "simulate",
-           "balance_bound", "replay_run", "main"]
+__all__ = ["simulate", "replay_run"]
 
 WHOLE_SAMPLE_PLANNERS = tuple(name for name, p in PLANNERS.items() if not p.splits)  # the default comparison
 PLAN_COSTS = ("auto", "given", "oracle")

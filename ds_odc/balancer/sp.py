@@ -56,7 +56,7 @@ from .partitioner import exchange_search
 from .plan import CheckedMinibatch, Plan, SplitSample, checked_minibatch, step_time
 from .whole import assign_lb_mini
 
-__all__ = ["SplitPolicy", "SplitPlan", "plan_split", "longest_split_sample"]
+__all__ = ["SplitPolicy"]
 
 DEFAULT_EFFICIENCY = 0.8
 # Assumed H200 ratio of achieved bf16 training FLOP/s (~400 T) to all-to-all bytes/s per GPU inside one NVLink node

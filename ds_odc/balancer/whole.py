@@ -37,7 +37,7 @@ from .packing import PackingError, fewest_bins, pack_positions
 from .partitioner import partition, search_from_heaviest
 from .plan import Plan, checked_minibatch
 
-__all__ = ["Assignment", "plan_whole", "assign_local_sort", "assign_lb_micro", "assign_lb_mini"]
+__all__: list[str] = []
 
 # (lengths, costs, fixed cost per microbatch, world size, max_tokens) -> per rank, microbatches of positions
 Assignment = Callable[[list[int], list[float], float, int, "int | None"], list[list[list[int]]]]

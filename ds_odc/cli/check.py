@@ -11,7 +11,7 @@ import sys
 from dataclasses import dataclass, field
 from pathlib import Path
 
-__all__ = ["Checked", "check", "main"]
+__all__: list[str] = []
 
 
 @dataclass

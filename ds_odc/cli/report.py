@@ -18,7 +18,7 @@ import sys
 import textwrap
 from dataclasses import dataclass
 
-__all__ = ["main", "render", "field_docs", "odc_defaults"]
+__all__: list[str] = []
 
 WIDTH = 34  # name column, dots included
 

@@ -23,7 +23,7 @@ import torch
 from ds_odc.training.attention import ATTENTION_NAME, remember_host_boundaries
 from ds_odc.training.loss import IGNORE_INDEX
 
-__all__ = ["PackedCompletions", "pack_completions", "score_completions", "packed_attention"]
+__all__: list[str] = []
 
 
 @dataclass(frozen=True)

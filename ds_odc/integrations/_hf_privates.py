@@ -16,13 +16,7 @@ from __future__ import annotations
 import contextlib
 import inspect
 
-__all__ = ["TRANSFORMERS_PRIVATES", "ACCELERATE_PRIVATES", "TRL_GRPO_PRIVATES", "TRL_SFT_PRIVATES", "TRL_DPO_PRIVATES",
-           "INSTANCE_ATTRIBUTES", "check_transformers", "check_trl", "check_trl_instance",
-           "prepare_inputs", "loss_shifts_labels", "remove_unused_columns", "set_sync_gradients",
-           "trl_step_context", "trl_train_metrics", "redirected_trl_metrics", "add_trl_train_tokens", "trl_loss", "grpo_per_token_logps",
-           "generate_and_score", "trl_microstep", "advance_trl_microstep", "trl_pad_token_id", "is_vision_language",
-           "router_loss_enabled", "router_loss_left_out", "router_coef", "scaled_router_coef",
-           "release_precompute_engine", "rank_local_collectives", "match_accelerate_backend"]
+__all__: list[str] = []
 
 TRL_SUPPORTED = ">=1.16,<1.17"
 

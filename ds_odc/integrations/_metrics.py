@@ -6,7 +6,7 @@ from __future__ import annotations
 
 from ds_odc.training.metrics import StepRecord, bubble_rate
 
-__all__ = ["BalanceMeter"]
+__all__: list[str] = []
 
 
 class BalanceMeter:

@@ -27,8 +27,7 @@ from ds_odc.balancer.sampler import BalancedBatchSampler, RankBatch
 from ds_odc.balancer.sp import SplitPolicy
 from ds_odc.training.sequence_parallel import slice_sample
 
-__all__ = ["Pack", "PackBatchSampler", "PackDataset", "PackCollator", "PackLoader", "SkippedStep", "SplitInputs",
-           "SPLIT_INPUTS_KEY", "dataset_lengths", "describe_row"]
+__all__: list[str] = []
 
 SPLIT_INPUTS_KEY = "ds_odc_split"  # in a split sample's model inputs: the SplitSlice, taken out before the forward
 

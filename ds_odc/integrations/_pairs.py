@@ -24,8 +24,7 @@ import torch
 
 from ds_odc.training.loss import IGNORE_INDEX
 
-__all__ = ["PAIRS_KEY", "REFERENCE_KEY", "PairRows", "PairCollator", "ReferenceLogps", "ServedOutputs",
-           "idle_rows", "PER_TOKEN_OUTPUTS"]
+__all__: list[str] = []
 
 PAIRS_KEY = "ds_odc_pairs"  # in a microbatch's inputs: its PairRows
 REFERENCE_KEY = "ds_odc_reference"  # ... and, once computed, the reference model's ReferenceLogps

@@ -24,7 +24,7 @@ import torch.distributed as dist
 from ds_odc.balancer.options import planning_cost
 from ds_odc.balancer.planners import plan_minibatch
 
-__all__ = ["RolloutPlan", "Sample", "plan_rollout", "stock_microbatch_size", "exchange", "collate", "pack_padded"]
+__all__: list[str] = []
 
 PROMPT_IDS = "prompt_ids"
 PROMPT_MASK = "prompt_mask"

@@ -35,7 +35,7 @@ from ds_odc.integrations._hf_privates import router_coef, scaled_router_coef
 from ds_odc.integrations._runner import Microbatch
 from ds_odc.integrations._setup import underlying_model
 
-__all__ = ["router_weight", "weighted_router_loss", "router_term"]
+__all__: list[str] = []
 
 
 def router_weight(mb: Microbatch, args, *, per_accumulation_step: bool = True) -> float:

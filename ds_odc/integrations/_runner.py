@@ -71,8 +71,7 @@ from ds_odc.zero.minibatch import MinibatchTag
 
 logger = logging.get_logger(__name__)
 
-__all__ = ["Microbatch", "StepTimes", "StepTrainer", "StepRunner", "OdcRunner", "RunsOdcSteps",
-           "BALANCER_STATE_NAME", "resolve_checkpoint", "save_balancer_state", "load_balancer_state"]
+__all__: list[str] = []
 
 BALANCER_STATE_NAME = "ds_odc_balancer.json"  # in every checkpoint folder: where the balancer stands
 

@@ -13,8 +13,7 @@ from ds_odc.balancer.options import BalancerOptions
 from ds_odc.balancer.sp import SplitPolicy
 from ds_odc.zero.engine import odc_requested
 
-__all__ = ["deepspeed_config_of", "odc_enabled", "balancer_options", "with_split_policy", "one_pack_per_step",
-           "underlying_model"]
+__all__: list[str] = []
 
 
 def deepspeed_config_of(args) -> dict | None:

@@ -21,7 +21,7 @@ from typing import Any, Iterable
 
 import torch
 
-__all__ = ["SlotMetrics", "combine"]
+__all__: list[str] = []
 
 MEAN, MIN, MAX, VALUE = "mean", "min", "max", "value"
 

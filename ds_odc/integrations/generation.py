@@ -34,7 +34,7 @@ import torch
 
 from ds_odc.ops.transport import OdcError
 
-__all__ = ["lockstep_free", "residency_for", "collectives_forbidden", "LockstepError", "RESIDENCIES"]
+__all__ = ["lockstep_free", "LockstepError"]
 
 RESIDENCIES = ("auto", "full", "block")
 

@@ -69,7 +69,7 @@ check_transformers()
 
 logger = logging.get_logger(__name__)
 
-__all__ = ["OdcTrainer", "PackRunner", "odc_enabled", "deepspeed_config_of", "BALANCER_STATE_NAME"]
+__all__ = ["OdcTrainer"]
 
 
 class OdcTrainer(RunsOdcSteps, Trainer):

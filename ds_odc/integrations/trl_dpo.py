@@ -64,7 +64,7 @@ from ds_odc.integrations._setup import odc_enabled
 from ds_odc.integrations._stock_metrics import SlotMetrics
 from ds_odc.integrations.transformers import OdcTrainer
 
-__all__ = ["OdcDPOTrainer", "PAIR_TOKENS", "PER_PAIR_LOSSES", "METRIC_COUNTS", "pair_lengths"]
+__all__ = ["OdcDPOTrainer"]
 
 check_trl(DPOTrainer, TRL_DPO_PRIVATES)
 

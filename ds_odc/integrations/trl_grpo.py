@@ -65,7 +65,7 @@ from ds_odc.training.kernels import training_args_for_kernels
 from ds_odc.zero.engine import is_odc
 from ds_odc.zero.minibatch import MinibatchTag
 
-__all__ = ["OdcGRPOTrainer", "RolloutRunner", "RolloutShare", "LOSS_WEIGHTS"]
+__all__ = ["OdcGRPOTrainer"]
 
 check_trl(GRPOTrainer, TRL_GRPO_PRIVATES)
 

@@ -7,8 +7,7 @@ import torch
 from ds_odc.ops.transport import (FenceTimeout, GatherPlan, OdcError, ScatterPlan, Segment, SymmetricBuffer,
                                   Transport)
 
-__all__ = ["FenceTimeout", "GatherPlan", "OdcError", "ScatterPlan", "Segment", "SymmetricBuffer", "Transport",
-           "make_transport"]
+__all__: list[str] = []
 
 
 def make_transport(config, device: torch.device, process_group=None, control=None, job_control=None) -> Transport:

@@ -28,8 +28,7 @@ from deepspeed.ops.op_builder.builder import CUDAOpBuilder
 
 from ds_odc.ops.transport import OdcError
 
-__all__ = ["OdcNvshmemBuilder", "load_op", "nvshmem_home", "nvshmem_version", "cuda_home", "CSRC", "KERNEL_SOURCES",
-           "BINDING_SOURCES", "NVSHMEM_PIN"]
+__all__ = ["OdcNvshmemBuilder", "load_op"]
 
 # Shipped inside the package (ds_odc/csrc, a link to the checkout's csrc/), so an installed ds_odc finds them too.
 CSRC = Path(__file__).resolve().parents[1] / "csrc"

@@ -25,7 +25,7 @@ from dataclasses import dataclass
 from ds_odc.ops.meeting import Meeting
 from ds_odc.ops.transport import FenceTimeout
 
-__all__ = ["LOCKSTEP_NOTE", "LockstepTally", "LockstepMismatch", "HostLockstep", "check_notes"]
+__all__: list[str] = []
 
 LOCKSTEP_NOTE = "lock-step"
 

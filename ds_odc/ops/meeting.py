@@ -30,7 +30,7 @@ import torch.distributed as dist
 
 from ds_odc.ops.transport import FenceTimeout, OdcError
 
-__all__ = ["Meeting", "control_group", "leave_meetings"]
+__all__: list[str] = []
 
 _STORE_REPLY_S = 5.0  # how long the post-mortem may wait for the store when a meeting has already failed
 _WATCH_AFTER_S = 1.0  # a meeting still waiting after this long starts reading who has arrived

@@ -25,7 +25,7 @@ import torch.distributed as dist
 
 from ds_odc.ops.transport import OdcError
 
-__all__ = ["ensure_runtime", "bootstrap_method", "launched_by_mpirun", "Runtime"]
+__all__ = ["ensure_runtime"]
 
 MiB = 1 << 20
 STATUS_IS_INITIALIZED = 2  # nvshmemx_init_status_t

@@ -29,7 +29,7 @@ from ds_odc.ops.lockstep import HostLockstep
 from ds_odc.ops.meeting import Meeting
 from ds_odc.ops.transport import GatherPlan, OdcError, ScatterPlan, Segment, SymmetricBuffer, Transport, out_layout
 
-__all__ = ["ShmTransport", "shm_dir"]
+__all__: list[str] = []
 
 
 def shm_dir() -> str:

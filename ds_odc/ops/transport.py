@@ -36,8 +36,7 @@ from typing import Sequence
 
 import torch
 
-__all__ = ["Transport", "SymmetricBuffer", "Segment", "GatherPlan", "ScatterPlan", "OdcError", "FenceTimeout",
-           "out_layout"]
+__all__ = ["Segment", "OdcError", "FenceTimeout"]
 
 
 class OdcError(RuntimeError):

@@ -3,7 +3,7 @@ compared in one call gets the same adapters."""
 
 from __future__ import annotations
 
-__all__ = ["lora_config", "with_adapters"]
+__all__ = ["lora_config"]
 
 
 def lora_config(rank: int | None):

@@ -25,8 +25,7 @@ from ds_odc.training import attention
 from ds_odc.training.kernels import KERNEL_CHOICES, Kernels, apply_kernels
 from ds_odc.training.loss import use_chunked_loss
 
-__all__ = ["sft_argument_parser", "samples_from_args", "cost_from_args", "split_policy_from_args",
-           "attention_from_args", "kernels_from_args", "prepare_model", "on_device", "plan_attention"]
+__all__ = ["sft_argument_parser", "samples_from_args", "cost_from_args", "prepare_model", "on_device", "plan_attention"]
 
 
 def sft_argument_parser(description: str | None = None, deepspeed_config: bool = True) -> argparse.ArgumentParser:

@@ -34,7 +34,7 @@ from ds_odc.training.profiling import decoder_layers, describe, profile_step
 from ds_odc.training.sequence_parallel import SequenceParallel
 from ds_odc.zero.engine import lockstep_waits, odc_requested, tag_minibatch, wait_seconds
 
-__all__ = ["main", "train", "SftRun", "build_model", "engine_config", "draw_timeline"]
+__all__ = ["main", "train", "SftRun"]
 
 
 def main(argv: list[str] | None = None, description: str | None = None) -> None:

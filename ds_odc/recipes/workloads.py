@@ -15,7 +15,7 @@ import torch
 from ds_odc.balancer.lengths import read_lengths
 from ds_odc.balancer.presets import MODEL_SHAPES, get_preset
 
-__all__ = ["model_config", "load_lengths", "tokenize_text_file", "sample_tokens"]
+__all__ = ["model_config", "sample_tokens"]
 
 
 def model_config(shape: str, max_position_embeddings: int = 131072, num_layers: int | None = None):

@@ -40,9 +40,7 @@ from torch.nn.attention import SDPBackend, sdpa_kernel
 from torch.utils.checkpoint import checkpoint
 from torch.utils.weak import WeakTensorKeyDictionary
 
-__all__ = ["ATTENTION_NAME", "LONG_DOCUMENT", "KernelChoice", "DocumentBoundaries", "register", "use_kernel",
-           "kernel_choice", "varlen_attention_forward", "mask_for_varlen", "boundaries_from_position_ids",
-           "bucket_length", "bucket_lengths", "plan_buckets", "remember_host_boundaries", "limit_sdpa_backends"]
+__all__ = ["use_kernel", "varlen_attention_forward", "plan_buckets", "limit_sdpa_backends"]
 
 ATTENTION_NAME = "ds_odc_varlen"
 Kernel = Literal["auto", "varlen", "sdpa", "bucketed"]

@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import torch
 
-__all__ = ["block_classes", "transformer_blocks"]
+__all__: list[str] = []
 
 
 def block_classes(model: torch.nn.Module) -> set[str]:

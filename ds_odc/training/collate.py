@@ -33,7 +33,7 @@ import torch
 
 from ds_odc.training.loss import IGNORE_INDEX
 
-__all__ = ["PackedCollator", "IGNORE_INDEX"]
+__all__ = ["PackedCollator"]
 
 
 @dataclass(frozen=True)

@@ -48,8 +48,7 @@ import torch
 
 from ds_odc.training.blocks import transformer_blocks
 
-__all__ = ["CompileOptions", "CompiledBlocks", "CompileCounts", "compile_blocks", "compile_counts",
-           "compiled_blocks_of", "compile_blocks_on_engine_compile", "eager_forward"]
+__all__ = ["compile_blocks", "compile_counts"]
 
 _ATTR = "ds_odc_compiled_blocks"  # the CompiledBlocks of a model, set on the model
 

@@ -32,7 +32,7 @@ import torch
 import torch.distributed as dist
 from torch.nn.attention.bias import causal_lower_right
 
-__all__ = ["SplitLayout", "ring_attention", "gather_sequence"]
+__all__: list[str] = []
 
 
 @dataclass(frozen=True)

@@ -26,9 +26,7 @@ import sys
 import warnings
 from datetime import timedelta
 
-__all__ = ["SHARED_GPU_ENV", "init_distributed", "output_folder", "partitioned_gpu_mode", "runs_on_cpu",
-           "shared_gpu_mode", "shutdown",
-           "shutdown_and_exit", "training_device"]
+__all__ = ["init_distributed", "output_folder", "runs_on_cpu", "shutdown", "shutdown_and_exit"]
 
 DEFAULT_CPU_TIMEOUT_S = 300.0
 TORCH_DEPRECATIONS_CALLED_BY_DEEPSPEED = ("all_gather_into_tensor", "reduce_scatter_tensor")

@@ -36,8 +36,7 @@ import torch
 
 from ds_odc.training.compile import CompiledBlocks, CompileOptions, compile_blocks
 
-__all__ = ["KERNEL_CHOICES", "Kernels", "apply_kernels", "apply_liger", "share_head_with_loss",
-           "kernels_from_training_args", "training_args_for_kernels", "LIGER_LAYER_KERNELS"]
+__all__ = ["Kernels", "apply_liger"]
 
 KERNEL_CHOICES = ("eager", "compiled", "fused", "compiled+fused")
 LIGER_LAYER_KERNELS = ("rope", "rms_norm", "swiglu")  # the kernels inside the blocks, which compiled blocks replace

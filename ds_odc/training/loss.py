@@ -29,8 +29,7 @@ import torch
 import torch.nn.functional as F
 from torch.utils.checkpoint import checkpoint
 
-__all__ = ["IGNORE_INDEX", "DEFAULT_CHUNK_TOKENS", "global_mean_weight", "token_loss_sum", "count_loss_tokens",
-           "chunked_causal_lm_loss", "use_chunked_loss"]
+__all__ = ["global_mean_weight", "token_loss_sum", "count_loss_tokens", "use_chunked_loss"]
 
 IGNORE_INDEX = -100  # the label of a position that adds no loss: cross_entropy's default, as transformers and TRL use
 DEFAULT_CHUNK_TOKENS = 4096

@@ -36,8 +36,7 @@ from typing import Iterable, Sequence
 
 import torch
 
-__all__ = ["RankStep", "StepRecord", "StepClock", "gather_step", "bubble_rate", "summarize", "device_sync",
-           "peak_memory_bytes"]
+__all__ = ["StepClock", "gather_step", "summarize"]
 
 
 def _accelerator():

@@ -35,7 +35,7 @@ import time
 from pathlib import Path
 from typing import Iterator
 
-__all__ = ["PARTITION", "gpu_partitions", "mps_control", "partition_share"]
+__all__ = ["gpu_partitions"]
 
 PARTITION = "partition"
 """The value of ``DS_ODC_SHARED_GPU`` that says: every rank on GPU 0, each held to its share of the SMs by MPS."""

@@ -42,7 +42,7 @@ from ds_odc.training.metrics import StepClock, StepRecord, gather_step
 from ds_odc.zero.engine import lockstep_waits, tag_minibatch, wait_seconds
 from ds_odc.zero.planned import EnginePlan, PlannedMicrobatch, attach_plan
 
-__all__ = ["PlannedLoader", "make_planned_loader"]
+__all__: list[str] = []
 
 logger = logging.getLogger("ds_odc.balancer")
 

@@ -25,7 +25,7 @@ import torch
 
 from ds_odc.training.metrics import device_sync
 
-__all__ = ["profile_step", "describe", "decoder_layers", "LAYER_RANGE"]
+__all__ = ["profile_step", "describe", "decoder_layers"]
 
 LAYER_RANGE = "ds_odc.layer_forward"
 IDLE_TOP = 15  # host events listed against the device's idle time

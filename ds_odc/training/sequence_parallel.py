@@ -70,8 +70,7 @@ from ds_odc.balancer.sp import SplitPolicy
 from ds_odc.training.context_parallel import SplitLayout, ring_attention
 from ds_odc.ops.transport import FenceTimeout, OdcError
 
-__all__ = ["ATTENTION_NAME", "SequenceParallel", "SplitSlice", "SplitLayout", "SplitSampleError", "slice_sample",
-           "slice_loss_sum", "sp_attention_forward", "register"]
+__all__ = ["SequenceParallel", "SplitSlice", "SplitSampleError", "slice_loss_sum"]
 
 ATTENTION_NAME = "ds_odc_sp"
 _STORE_REPLY_S = 5.0

@@ -10,5 +10,4 @@ from ds_odc.zero.minibatch import MinibatchMismatch, MinibatchTag
 from ds_odc.zero.optimizer import OdcOptimizer
 from ds_odc.zero.state import OdcState, Phase
 
-__all__ = ["OdcOptimizer", "OdcParamCoordinator", "OdcState", "Phase", "SUPPORTED_DEEPSPEED", "tag_minibatch",
-           "holds_replica", "MinibatchTag", "MinibatchMismatch"]
+__all__: list[str] = []

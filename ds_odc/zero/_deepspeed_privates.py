@@ -26,13 +26,7 @@ from ds_odc.zero.host_step import HostStep
 from ds_odc.zero.norms import gradient_norms
 from ds_odc.zero.state import OdcState
 
-__all__ = ["SUPPORTED", "check_deepspeed", "skip_cpu_shm_op_build", "install_config_model", "install_optimizer_hook",
-           "install_zero_init_group", "partition_over", "install_checkpoint_writers", "nvtx_ranges_only_under_a_tool",
-           "list_module_parameters_once", "accumulation_of", "use_coordinator_class", "grad_partition_map",
-           "bind_param_methods", "forget_backward_functions", "zero3_hooks_detached", "no_rank_consistency_asserts",
-           "no_persistent_refresh", "fetch_stream", "count_available", "has_fetches_in_flight", "release_function",
-           "gradients_kept_on_device", "time_stock_host_step", "reads_gradients", "GRADIENT_STATE_WITHOUT_GATE",
-           "SEAM_CLASSES", "CoordinatorSeams", "Stage3Seams", "config_outside_a_job"]
+__all__: list[str] = []
 
 SUPPORTED = ">=0.19.8,<0.20"
 _MIN, _MAX = Version("0.19.8"), Version("0.20")

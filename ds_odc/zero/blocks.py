@@ -13,7 +13,7 @@ from __future__ import annotations
 import torch
 from deepspeed.utils import logger, set_z3_leaf_module, z3_leaf_module
 
-__all__ = ["fetch_by_block"]
+__all__: list[str] = []
 
 
 def _user_chose_leaves(zero_config) -> bool:

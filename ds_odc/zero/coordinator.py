@@ -7,7 +7,7 @@ from deepspeed.runtime.zero.partitioned_param_coordinator import PartitionedPara
 
 from ds_odc.zero import _deepspeed_privates as privates
 
-__all__ = ["OdcParamCoordinator"]
+__all__: list[str] = []
 
 
 class OdcParamCoordinator(privates.CoordinatorSeams, PartitionedParameterCoordinator):

@@ -18,8 +18,7 @@ from ds_odc.zero.host_step import HostStepTimes
 from ds_odc.zero.minibatch import MinibatchTag
 from ds_odc.zero.optimizer import OdcOptimizer
 
-__all__ = ["is_odc", "odc_requested", "wait_seconds", "tag_minibatch", "holds_replica", "host_step_timer",
-           "symmetric_device_bytes", "destroy_engine", "lockstep_waits", "resident_parameters"]
+__all__ = ["tag_minibatch", "host_step_timer", "symmetric_device_bytes"]
 
 
 def is_odc(engine) -> bool:

@@ -37,7 +37,7 @@ from typing import Sequence
 import torch
 from deepspeed.accelerator import get_accelerator
 
-__all__ = ["HostStep", "HostStepTimes", "release_pinned"]
+__all__: list[str] = []
 
 _STAGING_SLOTS = 2
 

@@ -23,8 +23,7 @@ from datetime import timedelta
 import torch
 import torch.distributed as dist
 
-__all__ = ["LOCAL_SIZE_VARIABLES", "ranks_per_node", "resolve_shard_size", "ShardLayout", "HybridGroups",
-           "hybrid_groups", "same_ranks", "groups_for", "shard_group_for", "Replicas"]
+__all__: list[str] = []
 
 # Where launchers say how many ranks run on this node: torchrun, the DeepSpeed launcher, Open MPI, MPICH.
 LOCAL_SIZE_VARIABLES = ("LOCAL_WORLD_SIZE", "LOCAL_SIZE", "OMPI_COMM_WORLD_LOCAL_SIZE", "MPI_LOCALNRANKS")

@@ -20,7 +20,7 @@ from dataclasses import dataclass
 
 from ds_odc.ops.transport import OdcError
 
-__all__ = ["MinibatchTag", "MinibatchMismatch", "check_same_minibatch"]
+__all__ = ["MinibatchMismatch"]
 
 
 @dataclass(frozen=True)

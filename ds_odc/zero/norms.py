@@ -16,7 +16,7 @@ from deepspeed.runtime.zero.utils import get_norm_dtype
 
 from ds_odc.zero.state import OdcState
 
-__all__ = ["gradient_norms", "sum_of_squares"]
+__all__: list[str] = []
 
 
 def gradient_norms(groups: Sequence[Sequence[torch.nn.Parameter]], odc: OdcState, views: dict[int, torch.Tensor],

@@ -51,7 +51,7 @@ from ds_odc.zero.host_step import HostStep, HostStepTimes, release_pinned
 from ds_odc.zero.hybrid import groups_for
 from ds_odc.zero.state import OdcState, profiled
 
-__all__ = ["OdcOptimizer"]
+__all__: list[str] = []
 
 
 class OdcOptimizer(privates.Stage3Seams, DeepSpeedZeroOptimizer_Stage3):

@@ -20,7 +20,7 @@ import time
 from dataclasses import dataclass
 from typing import Callable
 
-__all__ = ["PlannedMicrobatch", "EnginePlan", "plan_of", "attach_plan"]
+__all__: list[str] = []
 
 _ATTRIBUTE = "ds_odc_plan"
 

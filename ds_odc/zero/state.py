@@ -55,8 +55,7 @@ from ds_odc.ops.transport import GatherPlan, OdcError, ScatterPlan, Segment, Sym
 from ds_odc.zero.hybrid import HybridGroups, Replicas
 from ds_odc.zero.minibatch import MinibatchTag, check_same_minibatch
 
-__all__ = ["OdcState", "Phase", "FetchHandle", "ShardPlace", "GradPlace", "FetchPlan", "Accumulation", "profiled",
-           "SettlingDict"]
+__all__: list[str] = []
 
 NOT_AVAILABLE, INFLIGHT, AVAILABLE = ZeroParamStatus.NOT_AVAILABLE, ZeroParamStatus.INFLIGHT, ZeroParamStatus.AVAILABLE
 _UNPROFILED = contextlib.nullcontext()

@@ -18,8 +18,7 @@ from typing import Callable, Optional
 from deepspeed.runtime.zero.offload_config import OffloadDeviceEnum
 from deepspeed.utils import logger
 
-__all__ = ["CHECKED_AT_INITIALIZE", "CONFIG_RULES", "ConfigRule", "config_problems", "config_warnings", "read_config",
-           "validate_engine"]
+__all__: list[str] = []
 
 CHECKED_AT_INITIALIZE = ("zero_optimization.odc.shard_size against the number of ranks, model parallelism (pipeline, "
                          "sequence parallel groups, MoE expert groups, an mpu), a Muon optimizer passed to "
