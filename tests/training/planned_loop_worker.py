@@ -1,4 +1,5 @@
-"""Rank script of tests/training/test_planned_loop.py: the stock DeepSpeed loop with ``zero_optimization.odc.balancer``.
+"""Rank script of tests/training/test_planned_loop.py (CPU) and tests/gpu/test_planned_loop_gpu.py: the stock DeepSpeed loop
+with ``zero_optimization.odc.balancer``.
 
 Usage: planned_loop_worker.py SCENARIO [options]; every rank prints one ODC_RESULT line.
 """
@@ -224,8 +225,10 @@ def main():
     parser.add_argument("--attention", default="eager", help="eager: transformers' own, on the loader's packed rows")
     args = parser.parse_args()
     ATTENTION, MAX_TOKENS, LONG_MIN, SEED = args.attention, args.max_tokens, args.long_min, args.seed
-    init_test_ranks()
-    torch.use_deterministic_algorithms(True)
+    cuda = os.environ.get("ODC_TEST_CUDA") == "1"  # tests/gpu: the loader's rows go to the engine's GPU
+    init_test_ranks(timeout_s=120.0 if cuda else 60.0)
+    if not cuda:  # on CUDA it would need CUBLAS_WORKSPACE_CONFIG, and the pushes' atomic adds are unordered anyway
+        torch.use_deterministic_algorithms(True)
     {"train": scenario_train, "skip": scenario_skip, "sampler_skip": scenario_sampler_skip}[args.scenario](args)
     shutdown_and_exit()
 
