@@ -5,7 +5,7 @@
 Workloads (4 samples per rank per minibatch; ``--warmup`` minibatches, default 1, then the timed ones):
   longtail         clamp(exp(ln 8000 + 0.8 N(0,1)), 1024, 32768) from torch.Generator().manual_seed(0), one
                    sample per microbatch
-  longtail-packed  the same lengths; the planners pack samples into padding-free rows of up to 64k tokens
+  longtail-packed  the same lengths; the planners pack samples into padding-free rows of up to 64k tokens (--max-tokens)
   equal            every sample 8192 tokens (the no-regression check)
   long-sft         the balancer's long-context preset (8k floor, median ~16k, up to 64k), one sample per microbatch
 At other rank counts (--nproc) every workload keeps 4 samples per rank per minibatch.
@@ -264,7 +264,7 @@ def run(mode: str, args, lengths: Path, out: Path, round_: int = 0) -> dict:
         cmd += ["--profile-step", str(args.steps), "--profile-dir", str(out / f"profile-{args.model}-{slug}")]
         cmd += ["--profile-python"] if args.profile_python else []
     if packed:
-        cmd += ["--max-tokens", str(max(2, round(65536 * args.scale)))]
+        cmd += ["--max-tokens", str(max(2, round((args.max_tokens or 65536) * args.scale)))]
     if args.lora:
         cmd += ["--lora", str(args.lora)]
     log = out / f"{args.model}-{args.workload}-{slug}.log"
@@ -354,6 +354,8 @@ def main():
     p.add_argument("--compile-backend", default="inductor",
                    help="torch.compile backend of the compiled modes (aot_eager: CPU smoke runs)")
     p.add_argument("--scale", type=float, default=1.0, help="scale all lengths (CPU smoke runs with --model tiny)")
+    p.add_argument("--max-tokens", type=int, default=None,
+                   help="packed modes: the token budget of a row before --scale (default 65536)")
     p.add_argument("--lora", type=int, default=None, metavar="RANK",
                    help="every mode trains LoRA adapters of this rank (all linear layers but the LM head; the base "
                         "model frozen); the TFLOP/s and MFU columns still count a full fine-tune's FLOPs")
