@@ -2,7 +2,7 @@
 that ``deepspeed.initialize(training_data=...)`` returns, the three-line loop of tests/training/planned_loop_worker.py,
 LB-Mini's uneven microbatch counts, the parameters after 3 minibatches against one process of the same minibatches
 (fp32 on the CPU; float64 as the truth), within the bound of tests/_support/tolerance.py. With ``cost: "auto"`` every
-step is measured on the GPU and the record is the same on every rank.
+step is measured on the GPU and the record is the same on every rank (but each rank's own peak memory).
 
     python -m pytest tests/gpu/test_planned_loop_gpu.py -q
 """
@@ -38,6 +38,7 @@ def test_the_stock_loop_trains_the_global_mean_on_gpu(nvshmem_op, nproc):
         per_step = list(zip(*(r["counts"] for r in ranks)))
         assert sum(len(set(c)) > 1 for c in per_step) >= 2, per_step
     else:
-        records = [r["last_step"] for r in ranks]
-        assert records[0] is not None and all(rec == records[0] for rec in records), records
+        # the gathered record is the same on every rank, but for the peak memory: each rank's own
+        records = [{k: v for k, v in r["last_step"].items() if k != "peak_mem_bytes"} for r in ranks]
+        assert all(rec == records[0] for rec in records), records
         assert records[0]["step_time_s"] > 0 and len(records[0]["per_rank"]) == nproc, records[0]
