@@ -70,6 +70,12 @@ def sft_argument_parser(description: str | None = None, deepspeed_config: bool =
     p.add_argument("--no-shuffle", action="store_true", help="take samples in file order (benchmarks)")
     if deepspeed_config:
         p.add_argument("--deepspeed", required=True, help="ds_config JSON")
+        p.add_argument("--loop", default="recipe", choices=["recipe", "stock"],
+                       help="recipe (default): the recipe's loop over its sampler's plan, marking step boundaries "
+                            "and weighting losses itself; stock: DeepSpeed's three lines (engine(batch), "
+                            "engine.backward(loss), engine.step()) over the loader that deepspeed.initialize("
+                            "training_data=...) returns under zero_optimization.odc.balancer, which these flags fill "
+                            "in")
     p.add_argument("--attn-implementation", default="ds_odc_varlen",
                    help="transformers attention; default ds_odc_varlen: each packed document attends to itself only, "
                         "with no per-length planning (ds_odc.training.attention)")
