@@ -15,13 +15,17 @@ local-sort) and plain (benchmarks/fsdp2_sft.py --engine plain: unsharded trainin
 A mode takes options after slashes: ``/packed`` or ``/unpacked`` (override the workload's packing; packed rows of
 a local-sort mode are planned by lb-micro), an attention implementation (``/sdpa``, ``/flex_attention``; default
 ds_odc_varlen) and a kernel of ds_odc_varlen (``/varlen``, ``/bucketed``; default auto), e.g.
-``odc+lb-mini/unpacked/sdpa``. Each runs in its own torchrun launch; the table compares
-samples/s measured in this one call (ratios, not absolute times, are what carry over between machines). Every mode
-is compared like for like: with FSDP2 and with plain training on the same rows (packed with packed, unpacked with
-unpacked, the same attention), when those ran in the call. A second table puts the simulator beside every run: its
-step time predicted from the run's own minibatches, planner and sync, with the cost fitted to the run's timed steps
-(``ds_odc.balancer.simulate.replay_run``). On a machine without CUDA (smoke runs with ``--model tiny``) every mode
-computes in fp32, as FSDP2 and plain training do there: the DeepSpeed modes get their config with ``bf16`` off.
+``odc+lb-mini/unpacked/sdpa``; ``/stock-loop`` trains a DeepSpeed mode through DeepSpeed's own three-line loop over
+the loader that ``deepspeed.initialize(training_data=...)`` returns under ``zero_optimization.odc.balancer``
+(examples/sft.py ``--loop stock``) instead of the recipe's loop, on the same rows: ``--modes
+odc+lb-mini,odc+lb-mini/stock-loop --compare-to odc+lb-mini`` times one against the other. Each runs in its own
+torchrun launch; the table compares samples/s measured in this one call (ratios, not absolute times, are what carry
+over between machines). Every mode is compared like for like: with FSDP2 and with plain training on the same rows
+(packed with packed, unpacked with unpacked, the same attention), when those ran in the call. A second table puts
+the simulator beside every run: its step time predicted from the run's own minibatches, planner and sync, with the
+cost fitted to the run's timed steps (``ds_odc.balancer.simulate.replay_run``). On a machine without CUDA (smoke
+runs with ``--model tiny``) every mode computes in fp32, as FSDP2 and plain training do there: the DeepSpeed modes
+get their config with ``bf16`` off.
 
 Kernels: a mode option ``/compiled`` (every transformer block through ``torch.compile``, dynamic lengths),
 ``/fused`` (Liger's kernels) or ``/compiled+fused`` (compiled blocks plus Liger's fused linear cross-entropy on the
@@ -76,6 +80,7 @@ import sys
 import tempfile
 import time
 from pathlib import Path
+from typing import NamedTuple
 
 import torch
 
@@ -106,6 +111,7 @@ KERNEL_CHOICES = {"eager", "compiled", "fused", "compiled+fused"}  # examples/sf
 LIKE_FOR_LIKE = ["fsdp2", "plain"]  # every mode's ratio against these on the same rows
 ATTENTION_OPTIONS = {"ds_odc_varlen", "sdpa", "eager", "flex_attention", "flash_attention_2"}
 KERNEL_OPTIONS = {"varlen", "bucketed"}  # of ds_odc_varlen (--attention-kernel)
+STOCK_LOOP = "stock-loop"  # a DeepSpeed mode through DeepSpeed's own loop (examples/sft.py --loop stock)
 
 
 def checkout_of(mode: str) -> Path:
@@ -119,13 +125,28 @@ def checkout_of(mode: str) -> Path:
     return root
 
 
-def parse_mode(mode: str, workload: str) -> tuple[str, bool, str, str, str]:
-    """``NAME[/packed|/unpacked][/ATTENTION][/KERNEL][/KERNELS][@DIR]`` -> (name, packed, attention implementation,
-    its kernel, the model's kernels)."""
+class Mode(NamedTuple):
+    """A mode as ``--modes`` names it: the engine, the rows it trains, and the loop that trains them."""
+
+    name: str  # a key of MODES
+    packed: bool
+    attn: str  # the attention implementation
+    kernel: str  # its kernel (of ds_odc_varlen)
+    kernels: str  # the model's kernels
+    stock_loop: bool  # /stock-loop: examples/sft.py --loop stock
+
+    @property
+    def rows(self) -> tuple:
+        """What the rows and their computation are: modes alike in these train like for like."""
+        return self.packed, self.attn, self.kernel, self.kernels
+
+
+def parse_mode(mode: str, workload: str) -> Mode:
+    """``NAME[/packed|/unpacked][/ATTENTION][/KERNEL][/KERNELS][/stock-loop][@DIR]`` -> :class:`Mode`."""
     name, *options = mode.partition("@")[0].split("/")
     if name not in MODES:
         raise SystemExit(f"unknown mode {name!r}; choose from {sorted(MODES)}")
-    packed, attn, kernel, kernels = workload == "longtail-packed", "ds_odc_varlen", "auto", "eager"
+    packed, attn, kernel, kernels, stock_loop = workload == "longtail-packed", "ds_odc_varlen", "auto", "eager", False
     for option in options:
         if option in ("packed", "unpacked"):
             packed = option == "packed"
@@ -135,11 +156,16 @@ def parse_mode(mode: str, workload: str) -> tuple[str, bool, str, str, str]:
             kernel = option
         elif option in KERNEL_CHOICES:
             kernels = option
+        elif option == STOCK_LOOP:
+            if MODES[name][0] != "sft":
+                raise SystemExit(f"mode {mode!r}: /{STOCK_LOOP} is DeepSpeed's own loop (examples/sft.py --loop "
+                                 f"stock); {name} does not run DeepSpeed")
+            stock_loop = True
         else:
             raise SystemExit(f"mode {mode!r}: unknown option {option!r} (packed, unpacked, "
                              f"{sorted(ATTENTION_OPTIONS)}, kernels of ds_odc_varlen {sorted(KERNEL_OPTIONS)}, "
-                             f"model kernels {sorted(KERNEL_CHOICES)})")
-    return name, packed, attn, kernel, kernels
+                             f"model kernels {sorted(KERNEL_CHOICES)}, {STOCK_LOOP})")
+    return Mode(name, packed, attn, kernel, kernels, stock_loop)
 
 
 PEAK_PROBE = """
@@ -210,10 +236,10 @@ def write_lengths(workload: str, minibatches: int, path: Path, scale: float = 1.
 
 def like_for_like(mode: str, base: str, ran: dict, workload: str) -> str | None:
     """The mode of ``ran`` that trains ``base`` on the same rows as ``mode`` (packing and attention), if any."""
-    _, *rows = parse_mode(mode, workload)
+    rows = parse_mode(mode, workload).rows
     for other in ran:
-        name, *other_rows = parse_mode(other, workload)
-        if name == base and other_rows == rows:
+        parsed = parse_mode(other, workload)
+        if parsed.name == base and parsed.rows == rows:
             return other
     return None
 
@@ -232,7 +258,7 @@ def engine_config(path: Path, out: Path) -> Path:
 
 
 def run(mode: str, args, lengths: Path, out: Path, round_: int = 0) -> dict:
-    name, packed, attn, kernel, kernels = parse_mode(mode, args.workload)
+    name, packed, attn, kernel, kernels, stock_loop = parse_mode(mode, args.workload)
     root = checkout_of(mode)
     profile = args.profile and round_ == 0  # one profiled minibatch per mode is enough
     script, config, balancer = MODES[name]
@@ -252,6 +278,8 @@ def run(mode: str, args, lengths: Path, out: Path, round_: int = 0) -> dict:
            "--metrics-json", str(metrics), "--cost", args.cost]
     if script == "plain":
         cmd += ["--engine", "plain"]
+    if stock_loop:
+        cmd += ["--loop", "stock"]
     if kernels != "eager":
         cmd += ["--kernels", kernels, "--compile-backend", args.compile_backend]
     if args.cost_coeffs:

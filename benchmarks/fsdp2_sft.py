@@ -28,7 +28,7 @@ from ds_odc.training.metrics import StepClock, gather_step, summarize
 from ds_odc.training.profiling import decoder_layers, describe, profile_step
 from ds_odc.recipes.sft import (cost_from_args, on_device, plan_attention, prepare_model, samples_from_args,
                             sft_argument_parser)
-from ds_odc.recipes.workloads import model_config, sample_tokens
+from ds_odc.recipes.workloads import SampleSet, model_config
 
 
 def main():
@@ -64,6 +64,7 @@ def main():
         fully_shard(model, mp_policy=policy)
     optimizer = torch.optim.AdamW(model.parameters(), lr=1e-5, betas=(0.9, 0.95), fused=cuda)
     lengths, token_ids = samples_from_args(args)
+    dataset = SampleSet(lengths, token_ids, config.vocab_size, args.seed)  # the samples examples/sft.py trains
     if cuda:
         plan_attention(model, args, lengths, device, torch.bfloat16)
         torch.cuda.empty_cache()
@@ -85,9 +86,7 @@ def main():
         loss_share = torch.zeros((), dtype=torch.float64, device=device)
         with profiling as profiled:
             for mb in batch.microbatches:
-                samples = [{"input_ids": token_ids[j] if token_ids else sample_tokens(j, int(lengths[j]),
-                                                                                         config.vocab_size, args.seed)}
-                           for j in mb]
+                samples = [dataset[j] for j in mb]
                 row = on_device(collate(samples), device)
                 loss = model(**row, num_items_in_batch=1 / weight).loss
                 loss.backward()  # FSDP2 averages gradients over ranks, as ZeRO does: the W in `weight` cancels it

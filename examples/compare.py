@@ -6,8 +6,11 @@ all in one ``torchrun`` launch: stock ZeRO-3 with the usual per-rank sort, stock
 engines live side by side and every minibatch is trained by each of them in turn, in an order that rotates from one
 minibatch to the next (the training loop of ``examples/sft.py``, ``ds_odc.recipes.train.SftRun``, one step at a
 time), so a burst of another program's load lands on one step of one mode, not on a whole mode; every comparison is
-made within a step (ratios, then their median over the steps). Every mode balances the automatic cost, which it
-refits from its own measured step times.
+made within a step (ratios, then their median over the steps). ODC with ``lb-mini`` trains through DeepSpeed's own
+three-line loop (``engine(**batch)``, ``engine.backward(loss)``, ``engine.step()``) over the loader that
+``deepspeed.initialize(training_data=...)`` returns under ``zero_optimization.odc.balancer`` (``examples/sft.py
+--loop stock``); the other modes through the recipe's loop. Every mode draws the same minibatches (checked before
+training) and balances the automatic cost, which it refits from its own measured step times.
 
 The data has the shape that makes balancing matter: every optimizer step's minibatch holds one long sample
 (``--long-tokens``) among short ones (``--short-tokens``), as when a few long conversations sit among many short
@@ -39,11 +42,11 @@ import time
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
-MODES = [  # (label, ds_config, balancer)
-    ("stock + local-sort", "zero3_fp32_cpu.json", "local-sort"),
-    ("stock + lb-micro", "zero3_fp32_cpu.json", "lb-micro"),
-    ("odc + lb-micro", "zero3_odc_fp32_cpu.json", "lb-micro"),
-    ("odc + lb-mini", "zero3_odc_fp32_cpu.json", "lb-mini"),
+MODES = [  # (label, ds_config, balancer, loop: the recipe's own, or DeepSpeed's over the balancer key's loader)
+    ("stock + local-sort", "zero3_fp32_cpu.json", "local-sort", "recipe"),
+    ("stock + lb-micro", "zero3_fp32_cpu.json", "lb-micro", "recipe"),
+    ("odc + lb-micro", "zero3_odc_fp32_cpu.json", "lb-micro", "recipe"),
+    ("odc + lb-mini", "zero3_odc_fp32_cpu.json", "lb-mini", "stock"),
 ]
 
 
@@ -90,13 +93,27 @@ def one_long_sample_per_minibatch(args) -> list[int]:
     return lengths
 
 
-def sft_argv(config: str, balancer: str, args) -> list[str]:
+def sft_argv(config: str, balancer: str, loop: str, args) -> list[str]:
     data = (["--lengths-file", args.lengths_file, "--no-shuffle"] if args.lengths_file else
             ["--preset", args.preset, "--length-scale", str(args.length_scale)])
-    argv = ["--deepspeed", str(ROOT / "ds_configs" / config), "--balancer", balancer, "--model", "tiny", *data,
-            "--minibatch-size", str(args.minibatch_size), "--steps", str(args.steps), "--warmup-steps",
+    argv = ["--deepspeed", str(ROOT / "ds_configs" / config), "--balancer", balancer, "--loop", loop, "--model",
+            "tiny", *data, "--minibatch-size", str(args.minibatch_size), "--steps", str(args.steps), "--warmup-steps",
             str(args.warmup_steps), "--seed", str(args.seed), "--cost", args.cost, "--quiet"]
     return argv + (["--max-tokens", str(args.max_tokens)] if args.max_tokens else [])
+
+
+def check_same_minibatches(samplers: dict, steps: int) -> None:
+    """Every mode's sampler (the recipe's own, or the one inside the stock loop's loader) must cut the same samples
+    into the same minibatches, in the same order, for the first ``steps`` steps: the losses are compared step by
+    step."""
+    drawn = {label: s.epoch_order(0)[:steps * s.global_minibatch_size].reshape(steps, -1) for label, s in
+             samplers.items()}
+    first, *others = drawn
+    for label in others:
+        differ = [i for i in range(steps) if sorted(drawn[label][i].tolist()) != sorted(drawn[first][i].tolist())]
+        if differ:
+            raise SystemExit(f"{label} trains other samples than {first} in steps {differ}: every mode must draw the "
+                             "same minibatches (the same lengths, seed, shuffle and minibatch size)")
 
 
 def worker(args) -> None:
@@ -112,14 +129,16 @@ def worker(args) -> None:
     init_distributed()
     if dist.get_rank() == 0:
         print(f"running {len(MODES)} modes side by side, each minibatch under every mode in turn ...", flush=True)
-    runs = [SftRun(sft_argument_parser().parse_args(sft_argv(config, balancer, args))) for _, config, balancer in MODES]
+    runs = [SftRun(sft_argument_parser().parse_args(sft_argv(config, balancer, loop, args)))
+            for _, config, balancer, loop in MODES]
+    check_same_minibatches({label: run.sampler for (label, *_), run in zip(MODES, runs)}, min(run.steps for run in runs))
     orders = []
     for step in range(min(run.steps for run in runs)):
         order = [(step + i) % len(runs) for i in range(len(runs))]
         for m in order:
             runs[m].step()
         orders.append([MODES[m][0] for m in order])
-    out = {label: run.finish() for (label, _, _), run in zip(MODES, runs)}
+    out = {label: run.finish() for (label, *_), run in zip(MODES, runs)}
     if dist.get_rank() == 0:
         Path(args.worker).write_text(json.dumps({"runs": out, "order": orders}))
     shutdown_and_exit()

@@ -1,5 +1,6 @@
 """The main job (examples/compare.py -> examples/sft.py) on 2 CPU ranks: four modes, one loss curve."""
 
+import importlib.util
 import json
 import re
 import statistics
@@ -15,9 +16,18 @@ ROOT = Path(__file__).resolve().parent.parent
 pytestmark = pytest.mark.slow
 
 
+def _load(script: Path):
+    """A script of examples/ or benchmarks/ as a module (its main does not run)."""
+    spec = importlib.util.spec_from_file_location(script.stem, script)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
 def test_stock_and_odc_modes_give_the_same_loss_curve(tmp_path):
-    """stock+local-sort, stock+lb-micro, odc+lb-micro, odc+lb-mini in one launch, every minibatch trained by each mode
-    in turn (the order rotating): fp32, losses agree to 1e-4 relative (measured 1.4e-7), every mode fits the
+    """stock+local-sort, stock+lb-micro, odc+lb-micro, odc+lb-mini (through DeepSpeed's own loop) in one launch, every
+    minibatch trained by each mode in turn (the order rotating): fp32, losses agree to 1e-4 relative (measured 1.4e-7;
+    tests/training/test_recipe_stock_loop.py holds the two loops to the rounding bound), every mode fits the
     automatic cost, lb-mini gives the rank with the long sample fewer samples, what the job prints about lb-mini
     against lb-micro is what its own metrics say, and it draws the busy/wait plot where it says. Nothing here asserts
     a timing (the job's timings move with other programs' load)."""
@@ -28,6 +38,8 @@ def test_stock_and_odc_modes_give_the_same_loss_curve(tmp_path):
     job = json.loads(out.read_text())
     runs, shown = job["runs"], job["step_by_step"]
     assert shown["max_rel_loss_diff"] < 1e-4
+    assert {label: run["config"]["loop"] for label, run in runs.items()} == {
+        "stock + local-sort": "recipe", "stock + lb-micro": "recipe", "odc + lb-micro": "recipe", "odc + lb-mini": "stock"}
     assert "largest relative loss difference" in proc.stdout and "automatic cost at the end" in proc.stdout
     # Interleaved: step i starts with mode i mod 4, so every mode takes every place in the order.
     labels = list(runs)
@@ -68,6 +80,20 @@ def test_stock_and_odc_modes_give_the_same_loss_curve(tmp_path):
                            text=True, timeout=60, env=cpu_env({"COLUMNS": "1000"})).stdout
     default = Path(re.search(r"\(default: (\S+); '' draws nothing\)", usage).group(1)).relative_to(ROOT)
     assert f"{default.parts[0]}/" in (ROOT / ".gitignore").read_text().split(), default
+
+
+def test_the_main_job_refuses_modes_that_would_draw_other_minibatches():
+    """The main job's check before training: samplers that cut other minibatches (here another seed) are named."""
+    from ds_odc.balancer.sampler import BalancedBatchSampler
+    job = _load(ROOT / "examples" / "compare.py")
+
+    def sampler(seed: int) -> BalancedBatchSampler:
+        return BalancedBatchSampler(list(range(2, 42)), world_size=2, rank=0, minibatch_size=2, max_tokens=None,
+                                    cost="tokens", seed=seed)
+
+    job.check_same_minibatches({"a": sampler(0), "b": sampler(0)}, steps=10)
+    with pytest.raises(SystemExit, match=r"^b trains other samples than a in steps \[0, "):
+        job.check_same_minibatches({"a": sampler(0), "b": sampler(1)}, steps=10)
 
 
 def test_sft_checks_the_data_up_front_and_fits_the_cost_on_one_rank(tmp_path):
@@ -129,18 +155,32 @@ def test_lb_mini_without_odc_is_refused():
 
 def test_e2e_benchmark_pipeline_on_cpu(tmp_path):
     """benchmarks/e2e.py end to end at CPU scale (tiny model, lengths scaled by 0.01): a stock mode with the block
-    settings, ODC + LB-Mini and FSDP2 run, the table compares them, the profiled minibatch is reported and kept out
-    of the timing, and the metrics feed the cost fit."""
+    settings, ODC + LB-Mini through the recipe's loop and through DeepSpeed's own (/stock-loop), and FSDP2 run, the
+    table compares them (the stock loop with FSDP2 on the same rows, and with the recipe's loop), the profiled
+    minibatch is reported and kept out of the timing, and the metrics feed the cost fit."""
     out = tmp_path / "e2e"
+    modes = ("stock-blocks+lb-micro", "odc+lb-mini", "odc+lb-mini/stock-loop", "fsdp2")
     cmd = [sys.executable, str(ROOT / "benchmarks" / "e2e.py"), "--model", "tiny", "--workload", "longtail",
-           "--scale", "0.01", "--steps", "3", "--modes", "stock-blocks+lb-micro,odc+lb-mini,fsdp2", "--profile",
+           "--scale", "0.01", "--steps", "3", "--modes", ",".join(modes), "--profile", "--compare-to", "odc+lb-mini",
            "--out", str(out), "--run-timeout", "240"]
     proc = subprocess.run(cmd, env=cpu_env(), capture_output=True, text=True, timeout=800)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     assert "FAILED" not in proc.stdout, proc.stdout[-3000:]
     table = proc.stdout[proc.stdout.index("tiny / longtail"):]
-    for mode in ("stock-blocks+lb-micro", "odc+lb-mini", "fsdp2"):
+    for mode in modes:
         assert mode in table
+    stock_row = next(line for line in table.splitlines() if line.startswith("odc+lb-mini/stock-loop "))
+    # against FSDP2 on the same rows (the loop is not part of the rows), none with plain, against the recipe's loop
+    assert re.search(r"\d\.\d\dx\s+-\s+\d\.\d\dx$", stock_row), stock_row
+    recipe_loop, stock_loop = (json.loads((out / f"tiny-longtail-{m}.json").read_text())
+                               for m in ("odc+lb-mini", "odc+lb-mini-stock-loop"))
+    assert stock_loop["config"]["loop"] == "stock" and stock_loop["profile_rank0"]["layer_forward_calls"] > 0
+    for a, b in zip(stock_loop["steps"], recipe_loop["steps"], strict=True):  # the same minibatches, the same loss
+        assert abs(a["loss"] - b["loss"]) <= 1e-5 * abs(b["loss"])
+    e2e = _load(ROOT / "benchmarks" / "e2e.py")
+    assert e2e.parse_mode("odc+lb-mini/stock-loop", "longtail").rows == e2e.parse_mode("fsdp2", "longtail").rows
+    with pytest.raises(SystemExit, match="fsdp2/stock-loop.*does not run DeepSpeed"):
+        e2e.parse_mode("fsdp2/stock-loop", "longtail")
     assert "profile of one more minibatch" in table
     replays = table[table.index("simulator replaying each run"):table.index("profile of one more minibatch")]
     for mode in ("stock-blocks+lb-micro", "odc+lb-mini", "fsdp2"):  # each run priced by its own fit and replayed

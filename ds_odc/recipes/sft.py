@@ -10,7 +10,6 @@ from __future__ import annotations
 import argparse
 import os
 import tempfile
-from typing import Any, Mapping
 
 import numpy as np
 import torch
@@ -22,6 +21,7 @@ from ds_odc.balancer.sp import DEFAULT_EFFICIENCY, SplitPolicy
 from ds_odc.recipes.lora import with_adapters
 from ds_odc.recipes.workloads import load_lengths, tokenize_text_file
 from ds_odc.training import attention
+from ds_odc.training.collate import on_device
 from ds_odc.training.kernels import KERNEL_CHOICES, Kernels, apply_kernels
 from ds_odc.training.loss import use_chunked_loss
 
@@ -70,6 +70,12 @@ def sft_argument_parser(description: str | None = None, deepspeed_config: bool =
     p.add_argument("--no-shuffle", action="store_true", help="take samples in file order (benchmarks)")
     if deepspeed_config:
         p.add_argument("--deepspeed", required=True, help="ds_config JSON")
+        p.add_argument("--loop", default="recipe", choices=["recipe", "stock"],
+                       help="recipe (default): the recipe's loop over its sampler's plan, marking step boundaries "
+                            "and weighting losses itself; stock: DeepSpeed's three lines (engine(batch), "
+                            "engine.backward(loss), engine.step()) over the loader that deepspeed.initialize("
+                            "training_data=...) returns under zero_optimization.odc.balancer, which these flags fill "
+                            "in")
     p.add_argument("--attn-implementation", default="ds_odc_varlen",
                    help="transformers attention; default ds_odc_varlen: each packed document attends to itself only, "
                         "with no per-length planning (ds_odc.training.attention)")
@@ -185,13 +191,6 @@ def prepare_model(model: torch.nn.Module, args: argparse.Namespace) -> torch.nn.
     if getattr(args, "lora", None):
         model = with_adapters(model, args.lora)  # in the model's dtype: benchmarks/e2e.py's engines alike
     return model
-
-
-def on_device(row: Mapping[str, Any], device: torch.device) -> dict[str, Any]:
-    """A collated microbatch on ``device`` (tensors moved, Python ints such as ``max_length_q`` kept)."""
-    moved = {k: v.to(device, non_blocking=True) if torch.is_tensor(v) else v for k, v in row.items()}
-    attention.remember_host_boundaries(row, moved)
-    return moved
 
 
 def plan_attention(model: torch.nn.Module, args: argparse.Namespace, lengths, device: torch.device,

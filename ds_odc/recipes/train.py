@@ -6,6 +6,13 @@ ranks at the step, and feeds the step's measured busy times back to the automati
 end. ``examples/sft.py`` is its command line (the flags are :func:`ds_odc.recipes.sft.sft_argument_parser`'s); the
 benchmarks call :func:`train`, ``examples/compare.py`` steps several runs in turn.
 
+``--loop stock`` trains the same minibatches through DeepSpeed's own loop instead: the flags fill in
+``zero_optimization.odc.balancer``, ``deepspeed.initialize(training_data=...)`` returns the loader of this rank's
+planned microbatches, and each step is ``engine(**batch)``, ``engine.backward(loss)``, ``engine.step()`` up to the
+rank's boundary, with the engine weighting the losses and the loader measuring the step
+(:mod:`ds_odc.training.planned_loader`). What the balancer key cannot say (samples split over ranks, a fitted cost)
+stays with the recipe's loop.
+
 The logged loss is the global mean token loss of each minibatch, the same quantity in every mode, so stock and ODC
 runs can be compared step by step. ``--metrics-json`` writes per-step throughput, bubble rate and per-rank
 busy/wait (:mod:`ds_odc.training.metrics`).
@@ -25,7 +32,7 @@ from ds_odc.balancer.sampler import BalancedBatchSampler
 from ds_odc.config import odc_config_from_ds_config
 from ds_odc.recipes.sft import (attention_from_args, cost_from_args, on_device, plan_attention, prepare_model,
                                 samples_from_args, sft_argument_parser, split_policy_from_args)
-from ds_odc.recipes.workloads import model_config, sample_tokens
+from ds_odc.recipes.workloads import SampleSet, model_config
 from ds_odc.training.collate import PackedCollator
 from ds_odc.training.distributed import init_distributed, shutdown_and_exit
 from ds_odc.training.loss import global_mean_weight
@@ -59,7 +66,9 @@ class SftRun:
     trains the next minibatch on every rank and returns its gathered record (None when the run has trained all its
     steps), :meth:`finish` reports and destroys the engine. :func:`train` steps one run to its end;
     ``examples/compare.py`` keeps several runs alive and steps them in turn, so that each minibatch is timed under
-    every mode within moments of each other. Every rank must call the same runs' steps in the same order."""
+    every mode within moments of each other. Every rank must call the same runs' steps in the same order. With
+    ``--loop stock`` the loader that ``deepspeed.initialize`` returns plans and measures the steps (its sampler is
+    :attr:`sampler`), and each step runs DeepSpeed's three lines; records, summaries and reports are the same."""
 
     def __init__(self, args):
         import deepspeed
@@ -72,10 +81,17 @@ class SftRun:
 
         # 1. Engine: the model under ZeRO-3 (ODC when the ds_config says "odc": true).
         ds_config, self.odc_on = engine_config(args)
-        self.lengths, self.token_ids = samples_from_args(args)
+        self.lengths, token_ids = samples_from_args(args)
         self.model = model = build_model(args, ds_config, device)
+        self.samples = SampleSet(self.lengths, token_ids, model.config.vocab_size, args.seed)
         params = [p for p in model.parameters() if p.requires_grad]
-        self.engine, *_ = deepspeed.initialize(model=model, model_parameters=params, config=ds_config)
+        self.loader = None  # --loop stock: the loader deepspeed.initialize returns under the balancer key
+        if args.loop == "stock":  # the engine plans with the balancer key and hands out this rank's microbatches
+            self.engine, _, self.loader, _ = deepspeed.initialize(
+                model=model, model_parameters=params, config=with_balancer_key(ds_config, args),
+                training_data=self.samples)
+        else:
+            self.engine, *_ = deepspeed.initialize(model=model, model_parameters=params, config=ds_config)
         if device.type == "cuda":
             plan_attention(model, args, self.lengths, device, next(model.parameters()).dtype)
             torch.cuda.empty_cache()
@@ -85,10 +101,17 @@ class SftRun:
         self.split = split = split_policy_from_args(args, model.config)  # how samples split over groups (lb-mini-sp)
         self.sp = (None if split is None else
                    SequenceParallel(split, timeout_s=odc_config_from_ds_config(ds_config).timeout_s))
-        self.sampler = BalancedBatchSampler(
-            self.lengths.tolist(), world_size=self.world, rank=self.rank, minibatch_size=args.minibatch_size,
-            max_tokens=args.max_tokens, planner=args.balancer, seed=args.seed, shuffle=not args.no_shuffle,
-            cost=cost_from_args(args, model.config), oversize=args.oversize, model_config=model.config, split=split)
+        if self.loader is not None:  # the loader's sampler: the same flags, so the same minibatches in the same order
+            self.sampler = self.loader.sampler
+            self.loader.measure = True  # every step's gathered record, as this loop's own is
+            self._rows = iter(self.loader)
+        else:
+            self.sampler = BalancedBatchSampler(
+                self.lengths.tolist(), world_size=self.world, rank=self.rank, minibatch_size=args.minibatch_size,
+                max_tokens=args.max_tokens, planner=args.balancer, seed=args.seed, shuffle=not args.no_shuffle,
+                cost=cost_from_args(args, model.config), oversize=args.oversize, model_config=model.config,
+                split=split)
+            self._batches = iter(self.sampler)
         if self.rank == 0 and self.sampler.data_report.message():
             print(self.sampler.data_report.message(), flush=True)
         self.collate = PackedCollator()
@@ -99,11 +122,9 @@ class SftRun:
         self.records: list[StepRecord] = []
         self.profile = None
         self.split_samples = 0  # split samples this rank trained a slice of
-        self._batches = iter(self.sampler)
 
     def _sample(self, j: int, truncated: bool) -> dict:
-        ids = (torch.as_tensor(self.token_ids[j]) if self.token_ids else
-               sample_tokens(j, int(self.lengths[j]), self.model.config.vocab_size, self.args.seed))
+        ids = self.samples[j]["input_ids"]
         return {"input_ids": ids[:self.sampler.token_limit] if truncated else ids}
 
     # 3. The loop: one optimizer step per minibatch.
@@ -113,15 +134,47 @@ class SftRun:
         step = len(self.records)
         if step >= self.steps:
             return None
+        profiled_step = step == self.args.profile_step
+        profiling = (profile_step(self.args.profile_dir, self.rank, decoder_layers(self.model),
+                                  python_stacks=self.args.profile_python)
+                     if profiled_step else contextlib.nullcontext())
+        # the profiler's own overhead is no cost of the plan: its step does not refit the automatic cost
+        train = self._train_stock_loop if self.loader is not None else self._train_planned
+        record = train(profiling, fit_cost=not profiled_step)
+        self.records.append(record)
+        if self.progress is not None:
+            self.progress.set_postfix(loss=f"{record.loss:.4f}", samples_s=f"{record.samples_per_s:.2f}",
+                                      bubble=f"{record.bubble_rate:.1%}")
+            self.progress.update()
+        return record
+
+    def _train_stock_loop(self, profiling, fit_cost: bool) -> StepRecord:
+        """DeepSpeed's three lines over the loader's microbatches of the next minibatch, up to this rank's boundary
+        (the engine follows the loader's plan: loss weights, boundary, step check); the loader measured the step as
+        its ``engine.step()`` returned."""
+        engine = self.engine
+        self.loader.fit_cost = fit_cost
+        with profiling as profiled:
+            for batch in self._rows:
+                loss = engine(**batch).loss
+                engine.backward(loss)
+                boundary = engine.is_gradient_accumulation_boundary()
+                engine.step()
+                if boundary:
+                    break
+        if profiled is not None:
+            self.profile = profiled
+        return self.loader.last_step
+
+    def _train_planned(self, profiling, fit_cost: bool) -> StepRecord:
+        """The next minibatch of the sampler's plan, this loop marking the boundary and weighting the losses itself,
+        then measured."""
         args, engine, device, world, batch = self.args, self.engine, self.device, self.world, next(self._batches)
         self.split_samples += len(batch.splits)
         # Each microbatch's loss sum times W / N is its share of the global mean over the minibatch's N label
         # tokens, however the samples are spread over ranks and microbatches (ds_odc.training.loss).
         tag_minibatch(engine, batch)  # the step checks that every rank trains this same minibatch
         weight = global_mean_weight(batch.num_label_tokens, world)
-        profiling = (profile_step(args.profile_dir, self.rank, decoder_layers(self.model),
-                                  python_stacks=args.profile_python)
-                     if step == args.profile_step else contextlib.nullcontext())
         self.clock.start()
         # summed on the device: reading a microbatch's loss on the host would wait for its backward, every microbatch
         loss_share = torch.zeros((), dtype=torch.float64, device=device)
@@ -156,14 +209,9 @@ class SftRun:
         device_wait = lockstep_waits(engine) or 0.0  # odc.lockstep's meetings on CUDA: waits inside busy
         record = gather_step(loss_share, busy, step_time, k, tokens, batch.num_samples, sq_tokens=sq_tokens,
                              device_wait_s=device_wait)
-        if step != args.profile_step:  # the profiler's own overhead is no cost of the plan
+        if fit_cost:
             update = self.sampler.observe(record)  # the same gathered record on every rank: the same refit
             record.cost = update.as_dict() if update else None
-        self.records.append(record)
-        if self.progress is not None:
-            self.progress.set_postfix(loss=f"{record.loss:.4f}", samples_s=f"{record.samples_per_s:.2f}",
-                                      bubble=f"{record.bubble_rate:.1%}")
-            self.progress.update()
         return record
 
     # 5. Report (rank 0).
@@ -208,10 +256,40 @@ def engine_config(args) -> tuple[dict, bool]:
     if get_planner(args.balancer).runtime == "odc" and not odc_on:
         raise SystemExit(f"--balancer {args.balancer} gives ranks different numbers of microbatches, which only ODC "
                          'can run: add "odc": true to zero_optimization in the ds_config, or use --balancer lb-micro')
+    if args.loop == "stock":
+        refuse_for_the_stock_loop(args, ds_config)
     ds_config["train_micro_batch_size_per_gpu"] = 1
     ds_config["gradient_accumulation_steps"] = 1  # boundaries are set explicitly: any count per rank
     ds_config.pop("train_batch_size", None)
     return ds_config, odc_on
+
+
+def refuse_for_the_stock_loop(args, ds_config: dict) -> None:
+    """``--loop stock`` trains what ``zero_optimization.odc.balancer`` can say; the rest of the recipe's options
+    stay with its own loop (``--loop recipe``), refused here by name."""
+    odc = odc_config_from_ds_config(ds_config)
+    reason = None
+    if get_planner(args.balancer).splits:
+        reason = (f"--balancer {args.balancer} splits samples over groups of ranks (sequence parallel), which only "
+                  "the recipe's loop trains")
+    elif args.cost == "fitted":
+        reason = "the balancer key's costs are auto, tokens and quadratic: --cost fitted (--cost-coeffs) is not one"
+    elif odc.balancer is not None:
+        reason = ("the flags fill in zero_optimization.odc.balancer: remove it from the ds_config of --deepspeed "
+                  "and give --balancer, --max-tokens, --cost ... instead")
+    if reason:
+        raise SystemExit(f"--loop stock: {reason}; or use --loop recipe")
+
+
+def with_balancer_key(ds_config: dict, args) -> dict:
+    """``ds_config`` with ``zero_optimization.odc.balancer`` filled in from the flags (``--loop stock``): the
+    loader's sampler then draws and plans the minibatches that the recipe's own sampler would, in the same order."""
+    zero = dict(ds_config["zero_optimization"])
+    odc = zero.get("odc")
+    odc = dict(odc) if isinstance(odc, dict) else {"enabled": bool(odc)}
+    odc["balancer"] = {"planner": args.balancer, "minibatch_size": args.minibatch_size, "max_tokens": args.max_tokens,
+                       "cost": args.cost, "oversize": args.oversize, "seed": args.seed, "shuffle": not args.no_shuffle}
+    return {**ds_config, "zero_optimization": {**zero, "odc": odc}}
 
 
 def build_model(args, ds_config: dict, device: torch.device) -> torch.nn.Module:

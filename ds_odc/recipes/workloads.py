@@ -7,6 +7,7 @@ sample is identical in every mode, on every rank, in every process that needs it
 
 from __future__ import annotations
 
+from dataclasses import dataclass
 from pathlib import Path
 
 import numpy as np
@@ -15,7 +16,7 @@ import torch
 from ds_odc.balancer.lengths import read_lengths
 from ds_odc.balancer.presets import MODEL_SHAPES, get_preset
 
-__all__ = ["model_config", "sample_tokens"]
+__all__ = ["model_config", "sample_tokens", "SampleSet"]
 
 
 def model_config(shape: str, max_position_embeddings: int = 131072, num_layers: int | None = None):
@@ -62,3 +63,23 @@ def sample_tokens(index: int, length: int, vocab: int, seed: int) -> torch.Tenso
     """Random token ids of sample ``index``, a function of (index, length, vocab, seed) only."""
     g = torch.Generator().manual_seed(seed * 1_000_003 + index)
     return torch.randint(0, vocab, (length,), generator=g)
+
+
+@dataclass(frozen=True, eq=False)
+class SampleSet:
+    """A run's samples as a dataset (what ``deepspeed.initialize(training_data=...)`` takes): item ``j`` is
+    ``{"input_ids": its token ids}``, from ``token_ids`` (real text) or else :func:`sample_tokens` of sample ``j``
+    (random ids of its length, drawn again on every read)."""
+
+    lengths: np.ndarray
+    token_ids: list[list[int]] | None
+    vocab_size: int
+    seed: int
+
+    def __len__(self) -> int:
+        return len(self.lengths)
+
+    def __getitem__(self, index: int) -> dict[str, torch.Tensor]:
+        if self.token_ids:
+            return {"input_ids": torch.as_tensor(self.token_ids[index])}
+        return {"input_ids": sample_tokens(index, int(self.lengths[index]), self.vocab_size, self.seed)}

@@ -31,9 +31,10 @@ from typing import Any, Mapping, Sequence
 
 import torch
 
+from ds_odc.training import attention
 from ds_odc.training.loss import IGNORE_INDEX
 
-__all__ = ["PackedCollator"]
+__all__ = ["PackedCollator", "on_device"]
 
 
 @dataclass(frozen=True)
@@ -85,3 +86,11 @@ class PackedCollator:
             row.update(cu_seq_lens_q=cu_seq_lens, cu_seq_lens_k=cu_seq_lens, max_length_q=int(lengths.max()),
                        max_length_k=int(lengths.max()))
         return row
+
+
+def on_device(row: Mapping[str, Any], device: torch.device) -> dict[str, Any]:
+    """A collated microbatch on ``device`` (tensors moved, Python ints such as ``max_length_q`` kept), its document
+    boundaries remembered on the host so that no attention layer copies them back (``ds_odc_varlen``)."""
+    moved = {k: v.to(device, non_blocking=True) if torch.is_tensor(v) else v for k, v in row.items()}
+    attention.remember_host_boundaries(row, moved)
+    return moved

@@ -15,10 +15,11 @@ microbatches; each rank gets at least one, since a minibatch holds at least one 
 with fewer samples is dropped). As each microbatch is yielded, the engine is told what it is
 (:mod:`ds_odc.zero.planned`): ``engine.backward`` weighs its loss so that the step trains the gradient of the
 minibatch's global mean loss, the accumulation boundary falls on the rank's last microbatch, and the optimizer step
-checks that every rank steps the same minibatch. With ``cost: "auto"`` the loader measures each step (this rank's
-busy time, tokens and microbatches, from its first microbatch to the end of its ``engine.step()``), gathers every
-rank's numbers once per step, as that step returns, and refits the cost from them;
-:attr:`PlannedLoader.last_step` holds that record (samples/s, bubble, per-rank busy and wait) for logging.
+checks that every rank steps the same minibatch. With ``cost: "auto"`` (or :attr:`PlannedLoader.measure` set) the
+loader measures each step (this rank's busy time, tokens and microbatches, from its first microbatch to the end of
+its ``engine.step()``), gathers every rank's numbers once per step, as that step returns, and refits the cost from
+them; :attr:`PlannedLoader.last_step` holds that record (loss, samples/s, bubble, per-rank busy and wait, the cost
+after the step) for logging.
 
 The microbatches must be consumed in order, one optimizer step per minibatch (the loop above): asking for the next
 minibatch before ``engine.step()`` ended the last one is an error on the rank that did it.
@@ -36,7 +37,7 @@ from ds_odc.balancer.checks import DataError
 from ds_odc.balancer.lengths import lengths_from_dataset
 from ds_odc.balancer.sampler import BalancedBatchSampler, RankBatch
 from ds_odc.ops.transport import OdcError
-from ds_odc.training.collate import PackedCollator
+from ds_odc.training.collate import PackedCollator, on_device
 from ds_odc.training.loss import IGNORE_INDEX, count_loss_tokens
 from ds_odc.training.metrics import StepClock, StepRecord, gather_step
 from ds_odc.zero.engine import lockstep_waits, tag_minibatch, wait_seconds
@@ -58,8 +59,12 @@ class PlannedLoader:
     Attributes:
         sampler: the :class:`~ds_odc.balancer.sampler.BalancedBatchSampler` that plans (``state_dict`` for resuming).
         steps_per_epoch: optimizer steps (minibatches) in one epoch.
-        last_step: the gathered :class:`~ds_odc.training.metrics.StepRecord` of the last step, when measured
-            (``cost: "auto"``), else None.
+        last_step: the gathered :class:`~ds_odc.training.metrics.StepRecord` of the last step, when measured,
+            else None.
+        measure: whether each step is measured and gathered into ``last_step`` (one small all-gather per step). On
+            with ``cost: "auto"``, which fits from it; set it for the records with a fixed cost.
+        fit_cost: whether the next measured steps refit the automatic cost (default True); turn it off for a step
+            whose timing says nothing of the plan's (one run under a profiler), then on again.
     """
 
     def __init__(self, engine, dataset, collate_fn: Callable | None, config) -> None:
@@ -86,6 +91,8 @@ class PlannedLoader:
         self.plan: EnginePlan = attach_plan(engine, per_rank * world, world)
         self.plan.on_step = self._measure_step
         self.last_step: StepRecord | None = None
+        self.measure: bool = self.sampler.auto is not None
+        self.fit_cost: bool = True
         self._world, self._rank = world, rank
         self._epoch = 0
         self._clock = StepClock()
@@ -136,15 +143,17 @@ class PlannedLoader:
     def _measure_step(self) -> None:
         """Right after the minibatch's optimizer step (every rank is there): gather every rank's busy time and load
         once and refit the cost (``cost: "auto"``), so what the loop does between steps is not counted."""
-        if self._open is None or self.sampler.auto is None:
+        if self._open is None or not self.measure:
             return
         batch, _ = self._open
         busy, step_time = self._clock.finish(wait_seconds(self.engine))
         tokens, sq_tokens = self.sampler.load(batch.microbatches)
-        self.last_step = gather_step(self.plan.loss_share(), busy, step_time, len(batch.microbatches), tokens,
-                                     batch.num_samples, sq_tokens=sq_tokens,
-                                     device_wait_s=lockstep_waits(self.engine) or 0.0)
-        self.sampler.observe(self.last_step)
+        record = gather_step(self.plan.loss_share(), busy, step_time, len(batch.microbatches), tokens,
+                             batch.num_samples, sq_tokens=sq_tokens, device_wait_s=lockstep_waits(self.engine) or 0.0)
+        if self.fit_cost:  # the same gathered record on every rank: the same refit
+            update = self.sampler.observe(record)
+            record.cost = update.as_dict() if update else None
+        self.last_step = record
 
     # -- the loss weights ----------------------------------------------------------------------------------------------
     def _normaliser(self, batch: RankBatch) -> int:
@@ -192,9 +201,7 @@ class PlannedLoader:
         if batch.truncated:
             samples = [_truncated(s, self.sampler.token_limit) if i in batch.truncated else s
                        for i, s in zip(ids, samples)]
-        row = self.collate(samples)
-        device = self.engine.device
-        row = {k: v.to(device) if isinstance(v, torch.Tensor) else v for k, v in row.items()}
+        row = on_device(self.collate(samples), self.engine.device)
         if self._packed_rows:
             row["use_cache"] = False
         return row
