@@ -32,7 +32,8 @@ def odc_enabled(args) -> bool:
     return config is not None and odc_requested(config)
 
 
-# The trainers' loose balancer keywords and the BalancerOptions field each one sets.
+# The trainers' loose balancer keywords and the BalancerOptions field each one sets (the field of the same name as the
+# stock loop's ``zero_optimization.odc.balancer`` key but ``split``: docs/CONFIG.md has the whole table).
 _KEYWORDS = {"balancer_planner": "planner", "max_tokens_per_microbatch": "max_tokens", "balancer_cost": "cost",
              "oversize": "oversize", "split_policy": "split", "length_column": "length_column"}
 
@@ -40,7 +41,8 @@ _KEYWORDS = {"balancer_planner": "planner", "max_tokens_per_microbatch": "max_to
 def balancer_options(balancer: BalancerOptions | None = None, **keywords) -> BalancerOptions:
     """A trainer's :class:`BalancerOptions`: ``balancer`` as given, or built from the loose keywords (``balancer_planner``,
     ``max_tokens_per_microbatch``, ``balancer_cost``, ``oversize``, ``split_policy``, ``length_column``), which must
-    then be left at their defaults. Errors name the keyword."""
+    then be left at their defaults. Errors name the keyword as the caller wrote it (``max_tokens_per_microbatch=0``),
+    each checked by :class:`BalancerOptions` on its own, so the record's rules are the only ones."""
     defaults = BalancerOptions()
     if balancer is not None:
         if not isinstance(balancer, BalancerOptions):
@@ -50,10 +52,12 @@ def balancer_options(balancer: BalancerOptions | None = None, **keywords) -> Bal
             raise ValueError(f"ds_odc: pass the balancer's options either as balancer=BalancerOptions(...) or as "
                              f"keywords, not both: drop {', '.join(given)} or set it in the BalancerOptions")
         return balancer
-    try:
-        return BalancerOptions(**{_KEYWORDS[k]: v for k, v in keywords.items()})
-    except ValueError as err:
-        raise ValueError(f"ds_odc: {err}") from None
+    for keyword, value in keywords.items():
+        try:
+            BalancerOptions(**{_KEYWORDS[keyword]: value})
+        except ValueError as err:
+            raise ValueError(f"ds_odc: {keyword}={value!r}: {err}") from None
+    return BalancerOptions(**{_KEYWORDS[k]: v for k, v in keywords.items()})
 
 
 def _differs(value: Any, default: Any) -> bool:

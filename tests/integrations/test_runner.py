@@ -26,10 +26,15 @@ def test_the_keywords_become_one_options_record():
         balancer_options(given, **{**LOOSE, "max_tokens_per_microbatch": 16, "oversize": "skip"})
     with pytest.raises(ValueError, match="drop balancer_cost"):  # a cost model is never the default "auto"
         balancer_options(given, **{**LOOSE, "balancer_cost": QuadraticCost(a=1.0, b=0.0)})
-    with pytest.raises(ValueError, match="^ds_odc: unknown oversize policy 'drop'"):
+    # Each error names the keyword as the caller wrote it, not the record's field.
+    with pytest.raises(ValueError, match="^ds_odc: oversize='drop': unknown oversize policy 'drop'"):
         balancer_options(None, **{**LOOSE, "oversize": "drop"})
-    with pytest.raises(ValueError, match="^ds_odc: unknown planner"):
+    with pytest.raises(ValueError, match="^ds_odc: balancer_planner='lb-maxi': unknown planner"):
         balancer_options(None, **{**LOOSE, "balancer_planner": "lb-maxi"})
+    with pytest.raises(ValueError, match="^ds_odc: max_tokens_per_microbatch=0: max_tokens must be a positive int"):
+        balancer_options(None, **{**LOOSE, "max_tokens_per_microbatch": 0})
+    with pytest.raises(ValueError, match="^ds_odc: balancer_cost='flops': unknown cost model 'flops'"):
+        balancer_options(None, **{**LOOSE, "balancer_cost": "flops"})
     with pytest.raises(ValueError, match="must be a ds_odc.balancer.BalancerOptions"):
         balancer_options({"planner": "lb-mini"}, **LOOSE)
 
