@@ -6,11 +6,13 @@ from __future__ import annotations
 
 import copy
 import os
+import warnings
 from dataclasses import replace
 from typing import Any
 
 from ds_odc.balancer.options import BalancerOptions
 from ds_odc.balancer.sp import SplitPolicy
+from ds_odc.config import odc_config_from_ds_config
 from ds_odc.zero.engine import odc_requested
 
 __all__: list[str] = []
@@ -30,6 +32,19 @@ def odc_enabled(args) -> bool:
     exists; once it does, :func:`ds_odc.zero.engine.is_odc` answers)."""
     config = deepspeed_config_of(args)
     return config is not None and odc_requested(config)
+
+
+def warn_of_unread_balancer_block(args, trainer: str) -> None:
+    """A trainer plans with its keywords, never with the ds_config's ``zero_optimization.odc.balancer`` block (which
+    ``deepspeed.initialize(training_data=...)`` reads in the stock loop): a warning when ``args`` carry such a block,
+    instead of ignoring it without a word."""
+    config = None if args is None else deepspeed_config_of(args)
+    if config is None or odc_config_from_ds_config(config).balancer is None:
+        return
+    warnings.warn(f"ds_odc: {trainer} plans with its own keywords and does not read zero_optimization.odc.balancer "
+                  "(only the stock loop's deepspeed.initialize(training_data=...) does): pass those settings as "
+                  "keywords (balancer_planner, max_tokens_per_microbatch, balancer_cost, oversize, length_column; "
+                  "docs/CONFIG.md maps each key onto its keyword) and drop the block", UserWarning, stacklevel=3)
 
 
 # The trainers' loose balancer keywords and the BalancerOptions field each one sets (the field of the same name as the

@@ -87,3 +87,26 @@ def test_a_microbatch_is_a_frozen_record():
     with pytest.raises(Exception):
         mb.sample_ids = (1,)
     assert mb.split is None and mb.metrics is None
+
+
+def test_a_trainer_warns_of_a_balancer_block_it_does_not_read():
+    """A trainer plans with its keywords; a ``zero_optimization.odc.balancer`` block in its ds_config (read only by
+    the stock loop) is named in a warning, not ignored without a word."""
+    import types
+    import warnings
+
+    from ds_odc.integrations._setup import warn_of_unread_balancer_block
+
+    def args(odc):
+        config = {"zero_optimization": {"stage": 3, "odc": odc}}
+        return types.SimpleNamespace(hf_deepspeed_config=types.SimpleNamespace(config=config))
+
+    with pytest.warns(UserWarning, match="OdcTrainer plans with its own keywords and does not read "
+                                         "zero_optimization.odc.balancer"):
+        warn_of_unread_balancer_block(args({"balancer": {"max_tokens": 64}}), "OdcTrainer")
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        warn_of_unread_balancer_block(args(True), "OdcTrainer")
+        warn_of_unread_balancer_block(args({"enabled": True, "timeout_s": 30}), "OdcTrainer")
+        warn_of_unread_balancer_block(None, "OdcTrainer")
+        warn_of_unread_balancer_block(types.SimpleNamespace(), "OdcTrainer")  # no DeepSpeed config
