@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import ast
 import functools
+import re
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -626,3 +627,51 @@ def test_the_public_surface_stays_small():
     count = _exported_count(_modules())
     assert count <= MAX_EXPORTED, (f"{count} names in __all__ across ds_odc/ (at most {MAX_EXPORTED}): keep in __all__ "
                                    "only what users import (docs, examples, benchmarks) and the module's documented API")
+
+
+# -- docs/ARCHITECTURE.md names every module ------------------------------------------------------------------------
+# Its table "Each module's one concept" has a row for every file of the package (Python modules and the CUDA sources),
+# named by its path inside ds_odc/ in backticks in the first cell, and for nothing else.
+ARCHITECTURE = PACKAGE.parent / "docs" / "ARCHITECTURE.md"
+MODULE_TABLE_HEADER = "| module | its one concept |"
+SOURCE_SUFFIXES = (".py", ".cu", ".cpp")
+
+
+def _module_table(text: str) -> set[str]:
+    """The paths named in the first cell of each row of the module table."""
+    lines = text.splitlines()
+    start = lines.index(MODULE_TABLE_HEADER)
+    named = set()
+    for line in lines[start + 2:]:
+        if not line.startswith("|"):
+            break
+        named |= set(re.findall(r"`([^`]+)`", line.strip("|").split("|")[0]))
+    return named
+
+
+def _package_files() -> set[str]:
+    """Every source file of the package, ``csrc/`` (a link to the checkout's) included."""
+    import os
+    return {(Path(folder) / name).relative_to(PACKAGE).as_posix()
+            for folder, _, names in os.walk(PACKAGE, followlinks=True) for name in names
+            if name.endswith(SOURCE_SUFFIXES) and "__pycache__" not in folder}
+
+
+def _table_gaps(files: set[str], named: set[str]) -> list[str]:
+    return ([f"no row for {f}" for f in sorted(files - named)]
+            + [f"a row for {f}, which does not exist" for f in sorted(named - files)])
+
+
+def test_the_module_table_check_sees_a_missing_and_a_stale_row():
+    text = ARCHITECTURE.read_text()
+    row = next(line for line in text.splitlines() if line.startswith("| `zero/norms.py` |"))
+    named = _module_table(text.replace(row + "\n", ""))
+    assert _table_gaps(_package_files(), named) == ["no row for zero/norms.py"]
+    stale = text.replace(row, row + "\n| `zero/old.py` | gone |")
+    assert _table_gaps(_package_files(), _module_table(stale)) == ["a row for zero/old.py, which does not exist"]
+
+
+def test_architecture_names_every_module():
+    gaps = _table_gaps(_package_files(), _module_table(ARCHITECTURE.read_text()))
+    assert not gaps, (f"docs/ARCHITECTURE.md, table {MODULE_TABLE_HEADER!r}: {gaps}; give each module one row "
+                      "saying its one concept")

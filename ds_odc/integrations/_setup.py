@@ -6,11 +6,13 @@ from __future__ import annotations
 
 import copy
 import os
+import warnings
 from dataclasses import replace
 from typing import Any
 
 from ds_odc.balancer.options import BalancerOptions
 from ds_odc.balancer.sp import SplitPolicy
+from ds_odc.config import odc_config_from_ds_config
 from ds_odc.zero.engine import odc_requested
 
 __all__: list[str] = []
@@ -32,7 +34,21 @@ def odc_enabled(args) -> bool:
     return config is not None and odc_requested(config)
 
 
-# The trainers' loose balancer keywords and the BalancerOptions field each one sets.
+def warn_of_unread_balancer_block(args, trainer: str) -> None:
+    """A trainer plans with its keywords, never with the ds_config's ``zero_optimization.odc.balancer`` block (which
+    ``deepspeed.initialize(training_data=...)`` reads in the stock loop): a warning when ``args`` carry such a block,
+    instead of ignoring it without a word."""
+    config = None if args is None else deepspeed_config_of(args)
+    if config is None or odc_config_from_ds_config(config).balancer is None:
+        return
+    warnings.warn(f"ds_odc: {trainer} plans with its own keywords and does not read zero_optimization.odc.balancer "
+                  "(only the stock loop's deepspeed.initialize(training_data=...) does): pass those settings as "
+                  "keywords (balancer_planner, max_tokens_per_microbatch, balancer_cost, oversize, length_column; "
+                  "docs/CONFIG.md maps each key onto its keyword) and drop the block", UserWarning, stacklevel=3)
+
+
+# The trainers' loose balancer keywords and the BalancerOptions field each one sets (the field of the same name as the
+# stock loop's ``zero_optimization.odc.balancer`` key but ``split``: docs/CONFIG.md has the whole table).
 _KEYWORDS = {"balancer_planner": "planner", "max_tokens_per_microbatch": "max_tokens", "balancer_cost": "cost",
              "oversize": "oversize", "split_policy": "split", "length_column": "length_column"}
 
@@ -40,7 +56,8 @@ _KEYWORDS = {"balancer_planner": "planner", "max_tokens_per_microbatch": "max_to
 def balancer_options(balancer: BalancerOptions | None = None, **keywords) -> BalancerOptions:
     """A trainer's :class:`BalancerOptions`: ``balancer`` as given, or built from the loose keywords (``balancer_planner``,
     ``max_tokens_per_microbatch``, ``balancer_cost``, ``oversize``, ``split_policy``, ``length_column``), which must
-    then be left at their defaults. Errors name the keyword."""
+    then be left at their defaults. Errors name the keyword as the caller wrote it (``max_tokens_per_microbatch=0``),
+    each checked by :class:`BalancerOptions` on its own, so the record's rules are the only ones."""
     defaults = BalancerOptions()
     if balancer is not None:
         if not isinstance(balancer, BalancerOptions):
@@ -50,10 +67,12 @@ def balancer_options(balancer: BalancerOptions | None = None, **keywords) -> Bal
             raise ValueError(f"ds_odc: pass the balancer's options either as balancer=BalancerOptions(...) or as "
                              f"keywords, not both: drop {', '.join(given)} or set it in the BalancerOptions")
         return balancer
-    try:
-        return BalancerOptions(**{_KEYWORDS[k]: v for k, v in keywords.items()})
-    except ValueError as err:
-        raise ValueError(f"ds_odc: {err}") from None
+    for keyword, value in keywords.items():
+        try:
+            BalancerOptions(**{_KEYWORDS[keyword]: value})
+        except ValueError as err:
+            raise ValueError(f"ds_odc: {keyword}={value!r}: {err}") from None
+    return BalancerOptions(**{_KEYWORDS[k]: v for k, v in keywords.items()})
 
 
 def _differs(value: Any, default: Any) -> bool:

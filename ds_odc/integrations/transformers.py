@@ -54,7 +54,7 @@ from ds_odc.integrations._router_loss import weighted_router_loss
 from ds_odc.integrations._runner import (BALANCER_STATE_NAME, Microbatch, OdcRunner, RunsOdcSteps, StepRunner,
                                          load_balancer_state, save_balancer_state)
 from ds_odc.integrations._setup import (balancer_options, deepspeed_config_of, odc_enabled, one_pack_per_step,
-                                        underlying_model, with_split_policy)
+                                        underlying_model, warn_of_unread_balancer_block, with_split_policy)
 from ds_odc.integrations._stock_metrics import SlotMetrics
 from ds_odc.training.attention import ATTENTION_NAME, plan_buckets, remember_host_boundaries
 from ds_odc.training.collate import PackedCollator
@@ -111,6 +111,7 @@ class OdcTrainer(RunsOdcSteps, Trainer):
         options = balancer_options(balancer, balancer_planner=balancer_planner,
                                    max_tokens_per_microbatch=max_tokens_per_microbatch, length_column=length_column,
                                    balancer_cost=balancer_cost, oversize=oversize, split_policy=split_policy)
+        warn_of_unread_balancer_block(args, type(self).__name__)
         odc = args is not None and odc_enabled(args)
         if odc:
             args, samples_per_rank = one_pack_per_step(args)

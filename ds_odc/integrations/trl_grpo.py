@@ -58,7 +58,7 @@ from ds_odc.integrations._hf_privates import (TRL_GRPO_PRIVATES, advance_trl_mic
 from ds_odc.integrations._router_loss import router_term
 from ds_odc.integrations._runner import (Microbatch, OdcRunner, RunsOdcSteps, StepRunner, load_balancer_state,
                                          save_balancer_state)
-from ds_odc.integrations._setup import balancer_options, odc_enabled
+from ds_odc.integrations._setup import balancer_options, odc_enabled, warn_of_unread_balancer_block
 from ds_odc.integrations._stock_metrics import SlotMetrics
 from ds_odc.integrations.generation import RESIDENCIES, lockstep_free
 from ds_odc.training.kernels import training_args_for_kernels
@@ -137,6 +137,7 @@ class OdcGRPOTrainer(RunsOdcSteps, GRPOTrainer):
         ds_odc.patch()
         options = balancer_options(balancer, balancer_planner=balancer_planner,
                                    max_tokens_per_microbatch=max_tokens_per_microbatch, balancer_cost=balancer_cost)
+        warn_of_unread_balancer_block(args, type(self).__name__)
         odc = args is not None and odc_enabled(args)
         if odc:
             _refuse_options(args, trainer_kwargs, options)

@@ -26,10 +26,15 @@ def test_the_keywords_become_one_options_record():
         balancer_options(given, **{**LOOSE, "max_tokens_per_microbatch": 16, "oversize": "skip"})
     with pytest.raises(ValueError, match="drop balancer_cost"):  # a cost model is never the default "auto"
         balancer_options(given, **{**LOOSE, "balancer_cost": QuadraticCost(a=1.0, b=0.0)})
-    with pytest.raises(ValueError, match="^ds_odc: unknown oversize policy 'drop'"):
+    # Each error names the keyword as the caller wrote it, not the record's field.
+    with pytest.raises(ValueError, match="^ds_odc: oversize='drop': unknown oversize policy 'drop'"):
         balancer_options(None, **{**LOOSE, "oversize": "drop"})
-    with pytest.raises(ValueError, match="^ds_odc: unknown planner"):
+    with pytest.raises(ValueError, match="^ds_odc: balancer_planner='lb-maxi': unknown planner"):
         balancer_options(None, **{**LOOSE, "balancer_planner": "lb-maxi"})
+    with pytest.raises(ValueError, match="^ds_odc: max_tokens_per_microbatch=0: max_tokens must be a positive int"):
+        balancer_options(None, **{**LOOSE, "max_tokens_per_microbatch": 0})
+    with pytest.raises(ValueError, match="^ds_odc: balancer_cost='flops': unknown cost model 'flops'"):
+        balancer_options(None, **{**LOOSE, "balancer_cost": "flops"})
     with pytest.raises(ValueError, match="must be a ds_odc.balancer.BalancerOptions"):
         balancer_options({"planner": "lb-mini"}, **LOOSE)
 
@@ -82,3 +87,26 @@ def test_a_microbatch_is_a_frozen_record():
     with pytest.raises(Exception):
         mb.sample_ids = (1,)
     assert mb.split is None and mb.metrics is None
+
+
+def test_a_trainer_warns_of_a_balancer_block_it_does_not_read():
+    """A trainer plans with its keywords; a ``zero_optimization.odc.balancer`` block in its ds_config (read only by
+    the stock loop) is named in a warning, not ignored without a word."""
+    import types
+    import warnings
+
+    from ds_odc.integrations._setup import warn_of_unread_balancer_block
+
+    def args(odc):
+        config = {"zero_optimization": {"stage": 3, "odc": odc}}
+        return types.SimpleNamespace(hf_deepspeed_config=types.SimpleNamespace(config=config))
+
+    with pytest.warns(UserWarning, match="OdcTrainer plans with its own keywords and does not read "
+                                         "zero_optimization.odc.balancer"):
+        warn_of_unread_balancer_block(args({"balancer": {"max_tokens": 64}}), "OdcTrainer")
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        warn_of_unread_balancer_block(args(True), "OdcTrainer")
+        warn_of_unread_balancer_block(args({"enabled": True, "timeout_s": 30}), "OdcTrainer")
+        warn_of_unread_balancer_block(None, "OdcTrainer")
+        warn_of_unread_balancer_block(types.SimpleNamespace(), "OdcTrainer")  # no DeepSpeed config
