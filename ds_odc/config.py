@@ -106,11 +106,11 @@ class OdcConfig(DeepSpeedConfigModel):
     all-reduce over the W/S ranks holding that shard). Each GPU then holds 1/S of the model state instead of 1/W."""
 
     lockstep: bool = False
-    """A baseline for measuring, not for production: ODC with a meeting of every rank before each parameter fetch
-    and after each gradient push, as ZeRO-3's per-layer all-gathers and reduce-scatters make every rank wait for
+    """A baseline for measuring, not for production: ODC with a meeting of every rank before each block's forward
+    fetch and after its backward, as ZeRO-3's per-layer all-gathers and reduce-scatters make every rank wait for
     every other; the same transport, kernels and buffers as ODC otherwise, so the difference between the two is what
-    meeting only at the optimizer step buys. On CUDA (``nvshmem``) a meeting is a small kernel on the stream of the
-    fetch or push (the GPU waits, as for an NCCL collective; the host does not); on CPU (``shm``) and on the
+    meeting only at the optimizer step buys. On CUDA (``nvshmem``) a meeting is a small kernel on the compute stream
+    (the GPU waits, as for an NCCL collective; the host does not); on CPU (``shm``) and on the
     ``force_remote_path`` it is a host meeting. As under stock ZeRO-3, every rank must run the same number of
     microbatches in each step: a rank that runs fewer (or stops) is named in an error within ``timeout_s``, never a
     hang. Not with ``shard_size``."""
@@ -144,7 +144,7 @@ class OdcConfig(DeepSpeedConfigModel):
     @model_validator(mode="after")
     def _lockstep_alone(self):
         if self.lockstep and self.shard_size is not None:
-            raise ValueError("zero_optimization.odc.lockstep meets every rank of the job at every fetch and push, "
+            raise ValueError("zero_optimization.odc.lockstep meets every rank of the job at every block, "
                              "which hybrid sharding does not do: leave zero_optimization.odc.shard_size out, or set "
                              "lockstep to false")
         return self

@@ -1,9 +1,9 @@
 """Lock-step meetings (``zero_optimization.odc.lockstep``): ODC with collective ZeRO-3's per-layer synchronisation put
 back, as a baseline on the same transport for measuring what meeting only at the optimizer step buys.
 
-With lockstep on, every rank meets every other before each parameter fetch's reads and after each gradient push
-(:meth:`~ds_odc.ops.transport.Transport.lockstep_barrier`), as ZeRO-3's all-gathers and reduce-scatters make them
-wait. This module holds what the transports share: the tally of meetings and the time waited in them, the error of
+With lockstep on, every rank meets every other before each block's forward fetch and after its backward
+(:meth:`~ds_odc.ops.transport.Transport.lockstep_barrier`, held by the parameter coordinator), as ZeRO-3's
+all-gathers and reduce-scatters make them wait. This module holds what the transports share: the tally of meetings and the time waited in them, the error of
 ranks that ran different numbers of microbatches, and the lock-step meeting on the host (the CPU transport's, and
 the GPU transport's where it has no peer pointers); the GPU's own is a kernel (``csrc/odc_kernels.cu``).
 

@@ -73,6 +73,8 @@ def check_deepspeed() -> None:
             (Stage3, "independent_gradient_partition_epilogue"),
             (Coordinator, COORDINATOR_GATHER),
             (Coordinator, "reset_step"),
+            (Coordinator, "fetch_sub_module"),
+            (Coordinator, "release_sub_module"),
             (DeepSpeedEngine, "_configure_zero_optimizer"),
             (DeepSpeedEngine, "_configure_checkpointing"),
             (DeepSpeedEngine, "deepspeed_io"),
@@ -318,6 +320,14 @@ def list_module_parameters_once(model) -> None:
     for module in model.modules():
         _MODULE_PARAMETERS[module] = (tuple(p for _, p in module.named_parameters(recurse=False)),
                                       tuple(p for _, p in module.named_parameters(recurse=True)))
+
+
+def holds_parameters(module) -> bool:
+    """Whether the coordinator fetches parameters for ``module``: a block (a ZeRO-3 leaf module, whose whole subtree
+    is fetched at once) or, outside blocks, a module with parameters of its own."""
+    from deepspeed.runtime.zero import partitioned_param_coordinator as coordinator_module
+    from deepspeed.utils import z3_leaf_module
+    return next(iter(coordinator_module.iter_params(module, recurse=z3_leaf_module(module))), None) is not None
 
 
 def accumulation_of(engine):
@@ -588,6 +598,19 @@ class CoordinatorSeams:
         # Why: see no_rank_consistency_asserts.
         with no_rank_consistency_asserts():
             super().reset_step()
+
+    def fetch_sub_module(self, current_submodule, forward: bool) -> None:
+        # Why: odc.lockstep's meeting before a block's forward (forward fetches only: a backward pre-hook runs once
+        # per output and concurrent duplicates return early, a count ranks need not share).
+        if forward and self.odc.lockstep and holds_parameters(current_submodule):
+            self.odc.meet_lockstep("the lock-step meeting before a block's forward")
+        super().fetch_sub_module(current_submodule, forward)
+
+    def release_sub_module(self, submodule, forward: bool = False) -> None:
+        # Why: odc.lockstep's meeting after a block's backward (DeepSpeed's post-backward hook runs it once per call).
+        super().release_sub_module(submodule, forward)
+        if not forward and self.odc.lockstep and holds_parameters(submodule):
+            self.odc.meet_lockstep("the lock-step meeting after a block's backward")
 
 
 class Stage3Seams:

@@ -1,5 +1,12 @@
 """The parameter coordinator under ODC: DeepSpeed's own (trace, prefetch, streams, release), with its all-gather
-replaced by one-sided reads through the engine's :class:`~ds_odc.zero.state.OdcState` (``OdcState.fetch_missing``)."""
+replaced by one-sided reads through the engine's :class:`~ds_odc.zero.state.OdcState` (``OdcState.fetch_missing``).
+
+With ``odc.lockstep`` it also holds the lock-step meetings (``CoordinatorSeams.fetch_sub_module`` and
+``release_sub_module``), at the two points where collective ZeRO-3 makes every rank wait for every other in each
+block: before the block's forward fetch (forward and recomputation alike) and after its backward. Both are decided
+by which modules run, never by what happens to need reading (prefetches, parameters still available, DeepSpeed's
+trace), so every rank meets equally often whatever its rows' lengths.
+"""
 
 from __future__ import annotations
 

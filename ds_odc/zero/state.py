@@ -24,9 +24,10 @@ With hybrid sharding (``odc.shard_size``, :mod:`ds_odc.zero.hybrid`) the transpo
 fence also meets the whole job and sums each accumulated shard over its replicas (:class:`~ds_odc.zero.hybrid.
 Replicas`), once per step; shards written outside the step are copied from the first shard group to the others.
 
-With ``odc.lockstep`` (a baseline for measuring) every rank also meets every other before each fetch's reads and
-after each push (:meth:`~ds_odc.ops.transport.Transport.lockstep_barrier`), as ZeRO-3's collectives make them wait;
-nothing else changes. :attr:`OdcState.lockstep_step` counts the last step's meetings and the time waited in them.
+With ``odc.lockstep`` (a baseline for measuring) every rank also meets every other at every block: before its
+forward fetch and after its backward (:meth:`meet_lockstep`, called by the parameter coordinator, which knows the
+blocks), as ZeRO-3's collectives make them wait; nothing else changes. :attr:`OdcState.lockstep_step` counts the
+last step's meetings and the time waited in them.
 
 In a torch profiler trace the four operations and the optimizer step are the ranges ``ds_odc::fetch``,
 ``ds_odc::push``, ``ds_odc::fence``, ``ds_odc::publish`` and ``ds_odc::step`` (and the lock-step meetings
@@ -144,7 +145,7 @@ class OdcState:
         self.accumulator: SymmetricBuffer | None = None
         self.accumulation: Accumulation = lambda: ("implicit", True)
         self.wait_s = 0.0  # time the last step's host waited for peers (fence, publish, lock-step): metrics read it
-        self.lockstep = config.lockstep  # meet every rank at every fetch and push (a baseline for measuring)
+        self.lockstep = config.lockstep  # meet every rank at every block (a baseline for measuring)
         self.lockstep_step: LockstepTally | None = None  # with lockstep: the last step's meetings and time waited
         self._lockstep_before = LockstepTally()  # the transport's running tally at the last step
         self.phase = Phase.IDLE  # every step publishes exactly once, on every rank, which returns it to IDLE
@@ -268,8 +269,6 @@ class OdcState:
                 self._adopt_replaced_shards()
                 break
         if plan.reads:
-            if self.lockstep:
-                self._meet_lockstep("the lock-step meeting before a parameter fetch")
             outs = []
             for read in plan.reads:
                 out = torch.empty(read.out_numel, dtype=read.source.dtype, device=read.source.local.device)
@@ -352,8 +351,6 @@ class OdcState:
                                                                            [p.ds_numel for p in params])
             self.transport.scatter_accumulate(plan, [p.grad.reshape(-1) for p in params],
                                               scale=1.0 / self.average_over)
-        if self.lockstep:
-            self._meet_lockstep("the lock-step meeting after a gradient push")
         if self.phase is not Phase.STEPPING:
             self.phase = Phase.ACCUMULATING
 
@@ -366,7 +363,8 @@ class OdcState:
                 param.grad.record_stream(stream)
             param.grad = None
 
-    def _meet_lockstep(self, what: str) -> None:
+    def meet_lockstep(self, what: str) -> None:
+        """With ``odc.lockstep``: meet every rank (``what`` names the meeting in errors), on the current stream."""
         with profiled("ds_odc::lockstep"):
             self.transport.lockstep_barrier(what)
 

@@ -38,7 +38,7 @@ def run_case(name: str, lengths: str, out: Path):
     from ds_odc.recipes.sft import sft_argument_parser
     from ds_odc.recipes.train import SftRun
     config, planner, loop = CASES[name]
-    if config == "lockstep":  # ODC with a meeting at every fetch and push: the same count on every rank
+    if config == "lockstep":  # ODC with a meeting at every block: the same count on every rank
         ds_config = json.loads((ROOT / "ds_configs" / "zero3_odc_fp32_cpu.json").read_text())
         ds_config["zero_optimization"]["odc"]["lockstep"] = True
         path = out / "lockstep.json"

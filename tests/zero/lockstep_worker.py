@@ -5,8 +5,9 @@ Usage: lockstep_worker.py [--delay S] [--fewer R --timeout T]. Rank 0 prints one
 the first two checks; with ``--fewer`` every rank then prints one line more, with the error it raised.
 
 * equal (always): stock ZeRO-3 and lockstep ODC train the same minibatches in the drop-in loop (GAS 2, SGD), and one
-  process trains them in float64 (the bound's reference). Every microbatch's parameter fetches, gradient pushes and
-  lock-step meetings are counted (by wrapping the engine's ``OdcState``), and each step's ``odc_lockstep``;
+  process trains them in float64 (the bound's reference). Every microbatch's lock-step meetings are counted (by
+  wrapping the transport's), beside the model's fetch units (blocks, and modules with parameters of their own
+  outside blocks), and each step's ``odc_lockstep``;
 * delay (``--delay S``): the last rank sleeps S seconds before each microbatch, for 2 steps of the lockstep engine
   and 2 of a plain ODC engine (which must hold no lock-step meeting); per step, rank 0's waits;
 * fewer (``--fewer R``): a lockstep engine with ``timeout_s`` T and managed accumulation off, where rank R runs one
@@ -35,16 +36,15 @@ GAS, STEPS, DELAY_STEPS = 2, 3, 2
 
 
 class Counted:
-    """Counts an ODC engine's parameter fetches, gradient pushes and lock-step meetings (by wrapping its state's and
-    transport's methods), and how many of each every microbatch had."""
+    """Counts an ODC engine's parameter fetches and lock-step meetings (by wrapping its state's and transport's
+    methods), and how many of each every microbatch had."""
 
     def __init__(self, engine):
         state = engine.optimizer.odc
-        self.totals = {"fetches": 0, "pushes": 0, "meetings": 0}
+        self.totals = {"fetches": 0, "meetings": 0}
         self.per_microbatch: list[dict] = []
         self._mark = dict(self.totals)
-        for owner, name, key in ((state, "fetch", "fetches"), (state, "push", "pushes"),
-                                 (state.transport, "lockstep_barrier", "meetings")):
+        for owner, name, key in ((state, "fetch", "fetches"), (state.transport, "lockstep_barrier", "meetings")):
             setattr(owner, name, self._counting(getattr(owner, name), key))
 
     def _counting(self, method, key):
@@ -56,6 +56,15 @@ class Counted:
     def microbatch_done(self) -> None:
         self.per_microbatch.append({k: self.totals[k] - self._mark[k] for k in self.totals})
         self._mark = dict(self.totals)
+
+
+def fetch_units(model) -> int:
+    """The modules the coordinator fetches for: blocks (ZeRO-3 leaf modules) and, outside them, the modules with
+    parameters of their own."""
+    from deepspeed.utils import z3_leaf_module
+    inside = {id(m) for block in model.modules() if z3_leaf_module(block) for m in block.modules() if m is not block}
+    return sum(1 for m in model.modules() if id(m) not in inside
+               and (z3_leaf_module(m) or next(m.parameters(recurse=False), None) is not None))
 
 
 def drop_in(engine, steps: int, offset: int = 0, delay: float = 0.0, counted: Counted | None = None):
@@ -100,7 +109,7 @@ def check_equal_and_delay(args) -> dict:
            "loss_stock": stock_losses, "loss_lockstep": losses,
            "loss_ref": [sample_losses[step * GAS * world + k * world + rank] for step in range(STEPS)
                         for k in range(GAS)],
-           "per_microbatch": counted.per_microbatch, "steps": steps,
+           "per_microbatch": counted.per_microbatch, "steps": steps, "fetch_units": fetch_units(engine.module),
            "transport": engine.optimizer.odc.transport.name, "optimizer": type(engine.optimizer).__name__}
     if args.delay:
         _, out["delayed_lockstep"] = drop_in(engine, DELAY_STEPS, offset=STEPS, delay=args.delay)
