@@ -14,6 +14,7 @@ from ds_odc.balancer.options import BalancerOptions
 from ds_odc.balancer.sp import SplitPolicy
 from ds_odc.config import odc_config_from_ds_config
 from ds_odc.zero.engine import odc_requested
+from ds_odc.zero.planned import balancer_unread_explained
 
 __all__: list[str] = []
 
@@ -41,6 +42,7 @@ def warn_of_unread_balancer_block(args, trainer: str) -> None:
     config = None if args is None else deepspeed_config_of(args)
     if config is None or odc_config_from_ds_config(config).balancer is None:
         return
+    balancer_unread_explained()
     warnings.warn(f"ds_odc: {trainer} plans with its own keywords and does not read zero_optimization.odc.balancer "
                   "(only the stock loop's deepspeed.initialize(training_data=...) does): pass those settings as "
                   "keywords (balancer_planner, max_tokens_per_microbatch, balancer_cost, oversize, length_column; "

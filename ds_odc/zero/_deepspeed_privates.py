@@ -225,7 +225,7 @@ def install_planned_loop(make_loader) -> None:
     measures the step there), and the batch-size questions answer for the plan."""
     from deepspeed.runtime.engine import ROUTE_TRAIN, DeepSpeedEngine
 
-    from ds_odc.zero.planned import plan_of
+    from ds_odc.zero.planned import check_balancer_read, plan_of
 
     if getattr(DeepSpeedEngine.deepspeed_io, "_ds_odc_hook", False):
         return
@@ -236,10 +236,13 @@ def install_planned_loop(make_loader) -> None:
     stock_batch = DeepSpeedEngine.train_batch_size
     stock_step = DeepSpeedEngine.step
 
+    def balancer_of(engine):
+        return getattr(getattr(engine._config.zero_config, "odc", None), "balancer", None)
+
     @functools.wraps(stock_io)
     def deepspeed_io(engine, dataset, batch_size=None, route=ROUTE_TRAIN, pin_memory=True, data_sampler=None,
                      collate_fn=None, num_local_io_workers=None):
-        balancer = getattr(getattr(engine._config.zero_config, "odc", None), "balancer", None)
+        balancer = balancer_of(engine)
         if balancer is None or route != ROUTE_TRAIN or data_sampler is not None:
             return stock_io(engine, dataset, batch_size, route, pin_memory, data_sampler, collate_fn,
                             num_local_io_workers)
@@ -256,6 +259,7 @@ def install_planned_loop(make_loader) -> None:
 
     @functools.wraps(stock_step)
     def step(engine, lr_kwargs=None):
+        check_balancer_read(engine, balancer_of(engine))
         plan = plan_of(engine)
         boundary = plan is not None and plan.current is not None and plan.current.boundary
         result = stock_step(engine, lr_kwargs)

@@ -17,12 +17,16 @@ microbatch. While one is current:
 from __future__ import annotations
 
 import time
+import warnings
+import weakref
 from dataclasses import dataclass
 from typing import Callable
 
 __all__: list[str] = []
 
 _ATTRIBUTE = "ds_odc_plan"
+_STEPPED = weakref.WeakSet()  # engines whose first step checked that their balancer block is read
+_UNREAD_EXPLAINED = [False]  # a trainer already warned that it plans from its own keywords instead
 
 
 @dataclass(frozen=True)
@@ -89,3 +93,23 @@ def attach_plan(engine, minibatch_samples: int, world_size: int) -> EnginePlan:
     plan = EnginePlan(minibatch_samples, world_size)
     setattr(engine, _ATTRIBUTE, plan)
     return plan
+
+
+def balancer_unread_explained() -> None:
+    """A trainer has warned that it plans from its own keywords: :func:`check_balancer_read` need not warn again."""
+    _UNREAD_EXPLAINED[0] = True
+
+
+def check_balancer_read(engine, balancer) -> None:
+    """At ``engine``'s first step: a ``zero_optimization.odc.balancer`` block (``balancer``, None if absent) that no
+    planned loader reads (the loop trains from a loader of its own, not the one
+    ``deepspeed.initialize(training_data=...)`` returned) plans nothing; say so once instead of ignoring it."""
+    if engine in _STEPPED:
+        return
+    _STEPPED.add(engine)
+    if balancer is None or plan_of(engine) is not None or _UNREAD_EXPLAINED[0]:
+        return
+    warnings.warn("ds_odc: zero_optimization.odc.balancer is set, but this engine trains without the loader "
+                  "deepspeed.initialize(training_data=...) returns, so nothing is balanced: pass your dataset as "
+                  "training_data and iterate over the loader it returns, or drop the block", UserWarning,
+                  stacklevel=4)

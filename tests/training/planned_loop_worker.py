@@ -7,6 +7,7 @@ Usage: planned_loop_worker.py SCENARIO [options]; every rank prints one ODC_RESU
 from __future__ import annotations
 
 import argparse
+import warnings
 import os
 import sys
 import time
@@ -91,6 +92,9 @@ def scenario_train(args):
     if args.plant:  # the planted error of tests/_support/tolerance.py: rank 0's second microbatch weighed 1.5x
         plant_wrong_weight(engine, 1.5, call=1)
     counts, answers, losses = [], [], []
+    caught = warnings.catch_warnings(record=True)
+    seen = caught.__enter__()
+    warnings.simplefilter("always")
     for batch in loader:
         if engine.is_gradient_accumulation_boundary() is None:
             raise AssertionError("no boundary")
@@ -102,10 +106,11 @@ def scenario_train(args):
         if engine.is_gradient_accumulation_boundary():
             counts.append(engine.gradient_accumulation_steps())
             losses.append(loss.item())
+    caught.__exit__(None, None, None)
     trained = full_params(engine)
     order = loader.sampler.epoch_order(0).tolist()
     out = {"rank": rank, "counts": counts, "answers": answers, "steps": engine.global_steps,
-           "optimizer": type(engine.optimizer).__name__,
+           "optimizer": type(engine.optimizer).__name__, "unread_warnings": unread(seen),
            "last_step": None if loader.last_step is None else loader.last_step.as_dict()}
     if rank == 0:
         ref = reference(model_copy(initial), data, order, args.steps, 4 * world, torch.float32, args.loss)
@@ -164,9 +169,15 @@ def scenario_skip(args):
     emit({"rank": rank, "error_type": None})
 
 
+def unread(seen) -> int:
+    """How many of the recorded warnings say that the ds_config's balancer block balances nothing."""
+    return sum("nothing is balanced" in str(w.message) for w in seen)
+
+
 def scenario_sampler_skip(args):
     """The hand-written loop (docs/USAGE.md) over a BalancedBatchSampler, untagged: the final short minibatch gives
-    rank ``--victim`` no microbatch and it skips engine.step(). The step's meeting names it at that step."""
+    rank ``--victim`` no microbatch and it skips engine.step(). The step's meeting names it at that step. The
+    ds_config also carries a balancer block, which this loop never reads: the first step warns of it, once."""
     import deepspeed
     import torch.distributed as dist
     from ds_odc import global_mean_weight, token_loss_sum
@@ -179,10 +190,14 @@ def scenario_sampler_skip(args):
                                    cost="tokens", drop_last=False, shuffle=False)
     model = packed_llama()
     params = list(model.parameters())
+    odc = {"enabled": True, "timeout_s": args.timeout, "balancer": {"planner": "lb-mini", "max_tokens": MAX_TOKENS}}
     engine, *_ = deepspeed.initialize(model=model, model_parameters=params, optimizer=client_optimizer(params),
-                                      config=ds_config({"enabled": True, "timeout_s": args.timeout}, optimizer="sgd"))
+                                      config=ds_config(odc, optimizer="sgd"))
     collate = PackedCollator()
     step, started = 0, time.monotonic()
+    caught = warnings.catch_warnings(record=True)
+    seen = caught.__enter__()
+    warnings.simplefilter("always")
     try:
         for epoch in range(2):
             sampler.set_epoch(epoch)
@@ -202,7 +217,8 @@ def scenario_sampler_skip(args):
                     engine.step()
     except Exception as err:  # noqa: BLE001
         emit({"rank": rank, "error_type": type(err).__name__, "error": str(err), "step": list(step),
-              "after_s": time.monotonic() - started, "ranks": getattr(err, "ranks", None)})
+              "after_s": time.monotonic() - started, "ranks": getattr(err, "ranks", None),
+              "unread_warnings": unread(seen)})
         os._exit(3)
     emit({"rank": rank, "error_type": None})
 

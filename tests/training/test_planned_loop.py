@@ -39,6 +39,7 @@ def test_the_stock_loop_trains_the_global_mean_with_uneven_counts(case):
     assert first["optimizer"] == "OdcOptimizer" and first["moved"] > 1e-2, first
     assert_within(compare(f"{case}: params vs one process", first["measured"], first["reference"]))
     for report in ranks:
+        assert report["unread_warnings"] == 0, report  # the loader reads the balancer block
         assert report["steps"] == 3, report  # 3 full minibatches; the 3 samples left over are dropped
         counts = report["counts"]
         # what the engine answers under the plan: this rank's microbatches, the samples of the current one, and the
@@ -77,7 +78,8 @@ def test_a_rank_that_skips_the_step_is_named_at_that_step():
 def test_an_untagged_sampler_loop_that_skips_the_step_is_named_at_that_step():
     """The hand-written loop of docs/USAGE.md over a BalancedBatchSampler without ``tag_minibatch``: the final short
     minibatch gives rank 2 no microbatch and it skips engine.step(). The sampler tags the step, so every rank fails at
-    that step, naming rank 2 (before this, the update silently mixed two minibatches)."""
+    that step, naming rank 2 (before this, the update silently mixed two minibatches). The ds_config's balancer
+    block, which this loop never reads, is named in one warning on every rank."""
     r = launch(WORKER, 3, ["sampler_skip", "--victim", 2, "--timeout", 30], timeout=180, launcher="plain")
     by_rank = {x["rank"]: x for x in r.results}
     assert sorted(by_rank) == [0, 1, 2], r.stdout[-3000:] + r.stderr[-4000:]
@@ -86,3 +88,4 @@ def test_an_untagged_sampler_loop_that_skips_the_step_is_named_at_that_step():
         assert report["step"] == ([1, 0] if rank == 2 else [0, 2]), report
         assert report["after_s"] < 10, report
         assert "Rank 2 went past" in report["error"], report["error"]
+        assert report["unread_warnings"] == 1, report
