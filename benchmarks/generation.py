@@ -12,7 +12,7 @@ mode decodes exactly the same tokens, greedy):
 |---|---|
 | ``plain`` | the unsharded model, no DeepSpeed |
 | ``zero3-synced`` | stock ZeRO-3: every forward all-gathers each module; ``synced_gpus=True`` (what a multi-rank job needs) |
-| ``zero3-gather`` | stock ZeRO-3 with the whole model gathered for the call and the hooks removed (TRL's ``ds3_gather_for_generation``) |
+| ``zero3-gather`` | stock ZeRO-3 with the whole model gathered for the call and the hooks removed (TRL's ``ds3_gather_for_generation``, through TRL's own hook helpers: needs ``trl``) |
 | ``odc-block`` | ODC, ``lockstep_free(residency="block")``: one-sided reads per transformer block at every forward |
 | ``odc-full`` | ODC, ``lockstep_free(residency="full")``: every parameter read once, kept for the call |
 
@@ -141,11 +141,16 @@ def run_worker(args) -> dict:
 
     @contextlib.contextmanager
     def full_model_gather(engine):
-        """Stock ZeRO-3's way to generate at full speed: all-gather the whole model (a collective), hooks off."""
-        from ds_odc.zero._deepspeed_privates import zero3_hooks_detached
+        """Stock ZeRO-3's way to generate at full speed: all-gather the whole model (a collective), hooks off, with
+        TRL's own hook helpers (what its ``ds3_gather_for_generation`` uses)."""
+        from trl.models.utils import add_hooks, remove_hooks
         params = [p for p in engine.module.parameters() if hasattr(p, "ds_id")]
-        with deepspeed.zero.GatheredParameters(params), zero3_hooks_detached(engine.optimizer.parameter_offload):
-            yield engine.module
+        with deepspeed.zero.GatheredParameters(params):
+            remove_hooks(engine)
+            try:
+                yield engine.module
+            finally:
+                add_hooks(engine)
 
     def generate(input_ids, attention_mask, lengths):
         kwargs = dict(max_new_tokens=max(lengths), do_sample=False, pad_token_id=PAD, eos_token_id=EOS,
