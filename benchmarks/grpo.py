@@ -21,6 +21,7 @@ ZeRO-3 and the whole model under plain. Nothing is downloaded: the tokenizer is 
 | ``plain`` | ``trl.GRPOTrainer`` without DeepSpeed (``deepspeed=None``): unsharded, one rank, bf16 weights on a GPU |
 | ``odc-padded`` | ``OdcGRPOTrainer(padding_free=False)``: padded microbatches up to the stock microbatch's size |
 | ``odc-packed`` | ``OdcGRPOTrainer(padding_free=True)``: packed rows (``ds_odc_varlen``) of the same token budget |
+| ``lockstep-packed`` | ``odc-packed`` with ``odc.lockstep`` and ``balancer_planner="lb-micro"``: the same count of microbatches on every rank (what TRL and verl force) and every rank meeting every other at each block, as collective ZeRO-3 makes them; the collective baseline where NCCL cannot run (ranks on SM partitions of one GPU) |
 
 ``plain`` is the unsharded baseline: TRL's trainer with the stock mode's config less its DeepSpeed config, so the
 same microbatches and accumulation steps, the model in the dtype it was saved in (bf16 weights and AdamW state on a
@@ -38,6 +39,11 @@ layer kernels would). The table then gives each such mode's training phase again
 
     python benchmarks/grpo.py --out runs/grpo --modes odc-packed,odc-packed/compiled+fused
 
+Between ranks on one GPU, ``--partition-gpu`` puts each of the ``--ranks`` ranks on its share of GPU 0's SMs (CUDA MPS)
+and compares ODC + LB-Mini with its lock-step baseline on equal counts, the modes NCCL does not need:
+
+    python benchmarks/grpo.py --out runs/grpo-partitions --ranks 4 --partition-gpu
+
 Per optimizer step after ``--warmup`` steps: the step's wall time (first microbatch to the end of the optimizer step,
 device synchronised), the rollout's time inside it, and the training phase (step less rollout: scoring, old /
 reference log-probs, re-planning, forward, backward, optimizer step). Peak memory is ``max_memory_allocated`` over
@@ -47,13 +53,17 @@ the timed steps. The table is printed last and written to ``DIR/grpo.md`` (numbe
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
+import os
 import time
 from pathlib import Path
 
 from _modes import (adapters_in_model_dtype, finish_worker, model_folder,  # benchmarks/_modes.py
                     run_modes_on_random_model)
-MODES = ("stock", "plain", "odc-padded", "odc-packed")
+MODES = ("stock", "plain", "odc-padded", "odc-packed", "lockstep-packed")
+DEFAULT_MODES = ("stock", "plain", "odc-padded", "odc-packed")
+PARTITION_MODES = ("odc-packed", "lockstep-packed")  # --partition-gpu: NCCL refuses two ranks on one GPU
 PLAIN = "plain"  # TRL's trainer without DeepSpeed: the unsharded baseline, one rank only
 KERNELS = ("eager", "compiled", "fused", "compiled+fused")
 
@@ -98,10 +108,17 @@ def parse_args(argv=None):
     p.add_argument("--mode-timeout", type=float, default=420)
     p.add_argument("--compile-backend", default="inductor",
                    help="torch.compile backend of the compiled modes (aot_eager: CPU smoke runs)")
+    p.add_argument("--partition-gpu", action="store_true",
+                   help="run the --ranks ranks of every mode on SM partitions of GPU 0 (CUDA MPS, 100/ranks percent of "
+                        f"the SMs each; ds_odc.training.partition); modes {', '.join(PARTITION_MODES)} (the default)")
     p.add_argument("--worker", help=argparse.SUPPRESS)
     args = p.parse_args(argv)
-    args.modes = args.modes or ",".join(m for m in MODES if m != PLAIN or args.ranks == 1)
+    args.modes = args.modes or ",".join(PARTITION_MODES if args.partition_gpu else
+                                        (m for m in DEFAULT_MODES if m != PLAIN or args.ranks == 1))
     for mode in args.modes.split(","):
+        if args.partition_gpu and split_mode(mode)[0] not in PARTITION_MODES:
+            p.error(f"mode {mode!r} needs collectives between the ranks, which NCCL refuses on one GPU: with "
+                    f"--partition-gpu run {', '.join(PARTITION_MODES)}")
         if split_mode(mode)[0] == PLAIN and args.ranks != 1:
             p.error(f"mode {mode!r} trains unsharded on one rank (no DeepSpeed, no gradient communication): run it "
                     f"with --ranks 1, or leave it out of --modes")
@@ -152,9 +169,9 @@ def run_worker(args) -> dict:
     world, rank = dist.get_world_size(), dist.get_rank()
     rows_per_rank = args.prompts * args.generations // world
     zero = {"stage": 3, "overlap_comm": False, "contiguous_gradients": True, "stage3_param_persistence_threshold": 0}
-    odc = mode.startswith("odc")
+    odc = mode.startswith(("odc", "lockstep"))
     if odc:
-        zero["odc"] = {"enabled": True, "timeout_s": 600}
+        zero["odc"] = {"enabled": True, "timeout_s": 600, "lockstep": mode.startswith("lockstep")}
     ds_config = {"train_micro_batch_size_per_gpu": "auto", "gradient_accumulation_steps": "auto",
                  "train_batch_size": "auto", "gradient_clipping": "auto", "bf16": {"enabled": "auto"},
                  "zero_optimization": zero, "zero_allow_untested_optimizer": True, "steps_per_print": 10**9}
@@ -257,7 +274,9 @@ def run_worker(args) -> dict:
     if args.rollout == "scripted":
         kwargs["rollout_func"] = scripted
     if odc:
-        kwargs["padding_free"] = mode == "odc-packed"
+        kwargs["padding_free"] = mode.endswith("-packed")
+    if mode.startswith("lockstep"):
+        kwargs["balancer_planner"] = "lb-micro"
     timer = StepTimer()
     trainer = cls(model, callbacks=[timer], peft_config=lora_config(args.lora), **kwargs)
     if args.lora and mode == PLAIN:
@@ -303,15 +322,26 @@ def apply_grpo_kernels(model, kernels: str, backend: str = "inductor") -> None:
 def orchestrate(args) -> int:
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
-    results = run_modes_on_random_model(
-        __file__, args.modes.split(","), _worker_args(args), shape=SHAPES[args.model],
-        folder=model_folder(args.out, args.model), max_positions=args.prompt_len + args.max_completion + 64,
-        seed=args.seed, ranks=args.ranks, out=out, timeout=args.mode_timeout, result_file=mode_file)
+    with contextlib.ExitStack() as stack:
+        if args.partition_gpu:
+            from ds_odc.training.partition import gpu_partitions
+            os.environ.update(stack.enter_context(gpu_partitions(args.ranks)))
+            print(f"# ranks on SM partitions of GPU 0: CUDA MPS, {os.environ['CUDA_MPS_ACTIVE_THREAD_PERCENTAGE']}% of "
+                  "the SMs each (memory bandwidth, L2 and power stay shared; see ds_odc.training.partition)",
+                  flush=True)
+        results = _run(args, out)
     table = report(results, args)
     (out / "grpo.md").write_text(table)
     (out / "grpo.json").write_text(json.dumps(results, indent=1))
     print(table)
     return 0 if all("failed" not in r for r in results.values()) else 1
+
+
+def _run(args, out: Path) -> dict:
+    return run_modes_on_random_model(
+        __file__, args.modes.split(","), _worker_args(args), shape=SHAPES[args.model],
+        folder=model_folder(args.out, args.model), max_positions=args.prompt_len + args.max_completion + 64,
+        seed=args.seed, ranks=args.ranks, out=out, timeout=args.mode_timeout, result_file=mode_file)
 
 
 def _worker_args(args) -> list[str]:
@@ -324,15 +354,16 @@ def _worker_args(args) -> list[str]:
 
 def report(results: dict, args) -> str:
     lengths = [n for s in range(args.steps) for n in completion_lengths(args, s)]
-    stock = results.get("stock", {})
+    base_name = "stock" if "stock" in results else "lockstep-packed" if "lockstep-packed" in results else "stock"
+    stock = results.get(base_name, {})  # the collective baseline: stock ZeRO-3, or on partitions ODC's lock-step
     plain = results.get(PLAIN) if PLAIN in results and "failed" not in results[PLAIN] else None  # its column if it ran
     lines = [f"{args.model} shape, {args.ranks} rank(s), {args.prompts} prompts x {args.generations} completions per "
              f"step, completions {min(lengths)}-{max(lengths)} tokens (median {sorted(lengths)[len(lengths) // 2]}), "
              f"{args.rollout} rollout, loss {args.loss_type}, beta {args.beta}"
              + (f", LoRA adapters of rank {args.lora} (base model frozen)" if args.lora else "")
              + f"; means over {args.steps - args.warmup} timed steps", "",
-             "| mode | training s/step | training vs stock | " + ("training vs plain | " if plain else "")
-             + "training vs eager | step s | step vs stock | rollout s | peak GiB | microbatches per rank |",
+             f"| mode | training s/step | training vs {base_name} | " + ("training vs plain | " if plain else "")
+             + f"training vs eager | step s | step vs {base_name} | rollout s | peak GiB | microbatches per rank |",
              "|---|---|---|---|---|---|---|---|---|" + ("---|" if plain else "")]
     for mode, r in results.items():
         if "failed" in r:
@@ -358,7 +389,8 @@ def report(results: dict, args) -> str:
                          f"{c.get('compiled_while_timed', '?')} of them during the timed steps"
                          + (" (their time includes compiling: more --warmup leaves it out)"
                             if c.get("compiled_while_timed") else ""))
-    lines.append("command: python benchmarks/grpo.py " + " ".join(_worker_args(args)[2:]))
+    lines.append("command: python benchmarks/grpo.py " + " ".join(_worker_args(args)[2:])
+                 + (" --partition-gpu" if args.partition_gpu else ""))
     return "\n".join(lines) + "\n"
 
 
