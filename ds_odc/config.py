@@ -21,6 +21,8 @@ from deepspeed.runtime.zero.config import DeepSpeedZeroConfig
 from pydantic import BaseModel, Field, PositiveInt, ValidationError, field_validator, model_validator
 from pydantic_core import PydanticCustomError
 
+from ds_odc.balancer.plan import OVERSIZE_POLICIES, check_max_tokens
+
 __all__ = ["OdcConfig", "odc_config_from_ds_config"]
 
 
@@ -39,7 +41,7 @@ class BalancerConfig(DeepSpeedConfigModel):
     ``train_batch_size`` divided by the number of ranks (``train_micro_batch_size_per_gpu`` x
     ``gradient_accumulation_steps``)."""
 
-    max_tokens: Optional[PositiveInt] = None
+    max_tokens: Optional[int] = None
     """Token budget of one microbatch (samples are packed up to it). ``None``: one sample per microbatch."""
 
     cost: Literal["auto", "tokens", "quadratic"] = "auto"
@@ -47,7 +49,7 @@ class BalancerConfig(DeepSpeedConfigModel):
     all-gather per step), starting from the model's shape. ``tokens``: tokens. ``quadratic``: the model's training
     FLOPs per sample (needs a Hugging Face model config)."""
 
-    oversize: Literal["error", "truncate", "skip"] = "error"
+    oversize: Literal[OVERSIZE_POLICIES] = "error"
     """A sample longer than ``max_tokens``: ``error`` (refused when the loader is built, naming it), ``truncate``
     (its first ``max_tokens`` tokens are trained) or ``skip`` (left out of every epoch, counted in a log line)."""
 
@@ -65,6 +67,11 @@ class BalancerConfig(DeepSpeedConfigModel):
 
     shuffle: bool = True
     """Shuffle the samples each epoch; ``false``: minibatches in dataset order."""
+
+    @field_validator("max_tokens")
+    @classmethod
+    def _budget(cls, value: Optional[int]) -> Optional[int]:
+        return check_max_tokens(value)  # the balancer's own rule, as the trainers' keywords and the sampler apply it
 
 
 class OdcConfig(DeepSpeedConfigModel):

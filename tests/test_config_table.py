@@ -164,3 +164,47 @@ def test_the_balancer_block_takes_no_value_the_trainer_keywords_refuse():
             BalancerOptions(**{key: value})  # raises for a value the keywords refuse
     record = {f.name for f in dataclasses.fields(BalancerOptions)} - {"split"}  # split: lb-mini-sp's, no key
     assert record <= set(BalancerConfig.model_fields), record - set(BalancerConfig.model_fields)
+
+
+def test_the_budget_and_the_oversize_policy_follow_one_rule_at_every_door(capsys):
+    """``max_tokens`` and ``oversize`` are checked by one rule (``ds_odc.balancer.plan``) however they come in, and
+    each error names what the user wrote: the record's field and the sampler's and planners' arguments alike, the
+    ds_config key, the SFT flag (the trainer keywords: tests/integrations/test_runner.py)."""
+    import numpy as np
+    import pydantic
+    import pytest
+    from ds_odc.balancer import BalancedBatchSampler, BalancerOptions, plan_minibatch
+    from ds_odc.config import odc_config_from_ds_config
+    from ds_odc.recipes.sft import sft_argument_parser
+
+    doors = {"BalancerOptions": BalancerOptions,
+             "BalancedBatchSampler": lambda **kw: BalancedBatchSampler(
+                 [4] * 4, world_size=2, rank=0, minibatch_size=2, cost="tokens", **{"max_tokens": None, **kw}),
+             "plan_minibatch": lambda **kw: plan_minibatch([4] * 4, 2, **kw)}
+    for door, call in doors.items():
+        for good in (None, 8, np.int64(8)):
+            call(max_tokens=good)
+        for bad in (0, -1, 2.5, 8.0, True, "8"):
+            with pytest.raises(ValueError, match=f"^max_tokens must be a positive int or None, got {re.escape(repr(bad))}$"):
+                call(max_tokens=bad)
+        with pytest.raises(ValueError, match=r"^unknown oversize policy 'drop'; choose one of \('error', 'truncate', 'skip'\)$"):
+            call(oversize="drop")
+
+    def config(**balancer):
+        return odc_config_from_ds_config({"zero_optimization": {"stage": 3, "odc": {"balancer": balancer}}}).balancer
+
+    assert config(max_tokens=8).max_tokens == 8 and config(oversize="skip").oversize == "skip"
+    for key, value, said in (("max_tokens", 0, "Value error, max_tokens must be a positive int or None, got 0"),
+                             ("oversize", "drop", "Input should be 'error', 'truncate' or 'skip'")):
+        with pytest.raises(pydantic.ValidationError) as err:
+            config(**{key: value})
+        assert f"zero_optimization.odc.balancer.{key}\n  {said}" in str(err.value), str(err.value)
+
+    parser = sft_argument_parser(deepspeed_config=False)
+    assert parser.parse_args(["--max-tokens", "8"]).max_tokens == 8
+    for flags, said in ((["--max-tokens", "0"], "argument --max-tokens: max_tokens must be a positive int or None, got 0"),
+                        (["--max-tokens", "x"], "argument --max-tokens: max_tokens must be a positive int or None, got 'x'"),
+                        (["--oversize", "drop"], "argument --oversize: invalid choice: 'drop'")):
+        with pytest.raises(SystemExit):
+            parser.parse_args(flags)
+        assert said in capsys.readouterr().err, flags

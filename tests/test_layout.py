@@ -476,6 +476,90 @@ def test_one_answer_to_is_odc_on_outside_zero():
                        "lockstep_waits, resident_parameters; add a function there if you need more)")
 
 
+# -- each balancer option's rule written once ------------------------------------------------------------------------
+# The microbatch budget and the oversize policy are checked by their owners in ds_odc/balancer/plan.py, which every
+# way in calls (BalancerOptions, the sampler, the planners, the ds_config's balancer block, the SFT flags); the tuple
+# of policies is written once, there, and the others name it (``choices=OVERSIZE_POLICIES``,
+# ``Literal[OVERSIZE_POLICIES]``).
+BALANCER_RULE_OWNERS = {("ds_odc.balancer.plan", "check_max_tokens"), ("ds_odc.balancer.plan", "check_oversize"),
+                        ("ds_odc.balancer.plan", "OVERSIZE_POLICIES")}
+RULE_TEXTS = ("max_tokens must", "unknown oversize policy")
+
+
+def _budget_name(node: ast.AST) -> bool:
+    name = node.attr if isinstance(node, ast.Attribute) else node.id if isinstance(node, ast.Name) else ""
+    return name.endswith("max_tokens")
+
+
+def _balancer_rules(tree: ast.Module, module: str = "") -> list[tuple[int, str]]:
+    """(line, what) for each place ``tree`` writes the rule of ``max_tokens`` or of the oversize policy itself, out
+    of the owners': a test of membership in ``OVERSIZE_POLICIES``; the policies spelt out together (a tuple, list or
+    set, a ``Literal``'s); a ``max_tokens`` compared with 0 or 1; a ``max_tokens`` typed ``PositiveInt`` or given a
+    bound in ``Field``; either rule's error text."""
+    found = []
+
+    def visit(node: ast.AST) -> None:
+        if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef)) and (module, node.name) in BALANCER_RULE_OWNERS:
+            return
+        if (isinstance(node, ast.Assign) and len(node.targets) == 1 and isinstance(node.targets[0], ast.Name)
+                and (module, node.targets[0].id) in BALANCER_RULE_OWNERS):
+            return
+        if isinstance(node, ast.Compare):
+            sides = [node.left, *node.comparators]
+            if (any(isinstance(op, (ast.In, ast.NotIn)) for op in node.ops)
+                    and any("OVERSIZE_POLICIES" in ast.unparse(side) for side in node.comparators)):
+                found.append((node.lineno, "membership in OVERSIZE_POLICIES"))
+            elif (any(isinstance(op, (ast.Lt, ast.LtE, ast.Gt, ast.GtE)) for op in node.ops)
+                  and any(_budget_name(side) for side in sides)
+                  and any(isinstance(side, ast.Constant) and side.value in (0, 1) for side in sides)):
+                found.append((node.lineno, f"a bound on the budget: {ast.unparse(node)}"))
+        elif isinstance(node, (ast.Tuple, ast.List, ast.Set)):
+            words = {e.value for e in node.elts if isinstance(e, ast.Constant) and isinstance(e.value, str)}
+            if {"error", "truncate", "skip"} <= words:
+                found.append((node.lineno, f"the oversize policies spelt out: {ast.unparse(node)}"))
+        elif isinstance(node, ast.AnnAssign) and _budget_name(node.target):
+            typed = ast.unparse(node.annotation) + (ast.unparse(node.value) if node.value is not None else "")
+            if re.search(r"PositiveInt|conint|\b(gt|ge)=", typed):
+                found.append((node.lineno, f"a budget typed with its bound: {ast.unparse(node)}"))
+        elif isinstance(node, ast.Constant) and isinstance(node.value, str) and any(t in node.value for t in RULE_TEXTS):
+            found.append((node.lineno, f"the rule's error text: {node.value[:40]!r}"))
+        for child in ast.iter_child_nodes(node):
+            visit(child)
+
+    visit(tree)
+    return sorted(set(found))
+
+
+def test_the_rule_check_sees_every_way_of_writing_a_balancer_rule():
+    planted = ast.parse("if oversize not in OVERSIZE_POLICIES:\n"
+                        "    raise ValueError(f'unknown oversize policy {oversize!r}')\n"
+                        "if max_tokens is not None and max_tokens < 1:\n"
+                        "    raise ValueError(f'max_tokens must be a positive int, got {max_tokens}')\n"
+                        "if 0 >= self.max_tokens: pass\n"
+                        "ap.add_argument('--oversize', choices=['error', 'truncate', 'skip'])\n"
+                        "class C:\n"
+                        "    oversize: Literal['error', 'truncate', 'skip'] = 'error'\n"
+                        "    max_tokens: Optional[PositiveInt] = None\n"
+                        "    other_max_tokens: int = Field(None, gt=0)\n"
+                        "def check_oversize(value):\n"  # an owner's name, in a module that does not own it
+                        "    return value in OVERSIZE_POLICIES\n"
+                        "OVERSIZE_POLICIES = ('error', 'truncate', 'skip')\n"
+                        "ok = [max_tokens == 1, oversize == 'skip', max_tokens > 2, ('error', 'skip'),"
+                        " Literal[OVERSIZE_POLICIES], check_max_tokens(max_tokens)]\n")
+    assert [line for line, _ in _balancer_rules(planted, "ds_odc.elsewhere")] == [1, 2, 3, 4, 5, 6, 8, 9, 10, 12, 13]
+    owned = [line for line, _ in _balancer_rules(planted, "ds_odc.balancer.plan")]
+    assert 12 not in owned and 13 not in owned and 1 in owned  # the owners' own code is theirs to write
+
+
+def test_each_balancer_option_rule_is_written_once():
+    plan = _modules()["ds_odc.balancer.plan"]
+    defined = {n.name for n in plan.body if isinstance(n, ast.FunctionDef)} | _defined(plan)
+    assert {name for _, name in BALANCER_RULE_OWNERS} <= defined, "the rules' owners moved: update BALANCER_RULE_OWNERS"
+    written = [f"{name}:{line} {what}" for name, tree in _modules().items() for line, what in _balancer_rules(tree, name)]
+    assert not written, (f"{written}: the budget's and the oversize policy's rules are written once, in "
+                         "ds_odc.balancer.plan: call check_max_tokens / check_oversize, or name OVERSIZE_POLICIES")
+
+
 # -- compiled blocks without DeepSpeed --------------------------------------------------------------------------------
 DEEPSPEED_FREE = ("ds_odc.training.compile", "ds_odc.training.blocks")  # FSDP2 and plain training use them too
 

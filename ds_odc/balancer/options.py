@@ -28,7 +28,7 @@ from typing import Any, Union
 
 from .autocost import AutoCost
 from .cost import COST_MODELS, MICROBATCH_PRIOR_TOKENS, CostModel, QuadraticCost, get_cost_model
-from .plan import OVERSIZE_POLICIES
+from .plan import check_max_tokens, check_oversize
 from .planners import DEFAULT_PLANNER, Planner, get_planner
 from .sp import SplitPolicy
 
@@ -103,11 +103,9 @@ class BalancerOptions:
 
     def __post_init__(self) -> None:
         get_planner(self.planner)  # raises, listing the planners
-        if self.max_tokens is not None and (not isinstance(self.max_tokens, int) or self.max_tokens < 1):
-            raise ValueError(f"max_tokens must be a positive int or None, got {self.max_tokens}")
+        object.__setattr__(self, "max_tokens", check_max_tokens(self.max_tokens))  # a numpy integer: an int
         _check_cost_choice(self.cost)
-        if self.oversize not in OVERSIZE_POLICIES:
-            raise ValueError(f"unknown oversize policy {self.oversize!r}; choose one of {OVERSIZE_POLICIES}")
+        check_oversize(self.oversize)
         if self.split is not None and not isinstance(self.split, SplitPolicy):
             raise ValueError(f"split must be a SplitPolicy or None, got {type(self.split).__name__}")
 

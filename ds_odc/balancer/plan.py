@@ -8,13 +8,20 @@ parallelism), and then appears as a one-sample microbatch on every member.
 Everything here is below the planners (``whole.py``, ``sp.py``) and the registry (``planners.py``): the planners
 share one input check (:func:`checked_minibatch`) and one notion of the lengths a sample trains
 (:func:`effective_lengths`), and callers read costs and loads off any plan with the same methods.
+
+The rules of two options that every way into the balancer takes live here, each written once:
+:func:`check_max_tokens` (the microbatch token budget) and :func:`check_oversize` (the oversize policy, one of
+:data:`OVERSIZE_POLICIES`). ``BalancerOptions`` (the trainers' keywords), the sampler, the planners, the ds_config's
+``zero_optimization.odc.balancer`` block and the SFT command line's flags all call them (or, for the ds_config's
+``oversize``, type the key with the tuple), so a value one of them takes is taken by all.
 """
 
 from __future__ import annotations
 
 import math
+import numbers
 from dataclasses import dataclass, field
-from typing import Sequence
+from typing import Any, Sequence
 
 import numpy as np
 
@@ -23,6 +30,24 @@ from .cost import CostModel, get_cost_model
 __all__ = ["step_time"]
 
 OVERSIZE_POLICIES = ("error", "truncate", "skip")
+
+
+def check_max_tokens(max_tokens: Any) -> int | None:
+    """The microbatch token budget's one rule: ``None`` (no budget) or an integer of at least 1 (an ``int`` or a
+    numpy integer, not a bool), returned as an ``int``. The error names the option ``max_tokens``; a front door that
+    calls it something else (a trainer keyword, a flag) names its own name before it."""
+    if max_tokens is None:
+        return None
+    if isinstance(max_tokens, (bool, np.bool_)) or not isinstance(max_tokens, numbers.Integral) or max_tokens < 1:
+        raise ValueError(f"max_tokens must be a positive int or None, got {max_tokens!r}")
+    return int(max_tokens)
+
+
+def check_oversize(oversize: Any) -> str:
+    """The oversize policy's one rule: one of :data:`OVERSIZE_POLICIES`; the error lists them."""
+    if not isinstance(oversize, str) or oversize not in OVERSIZE_POLICIES:
+        raise ValueError(f"unknown oversize policy {oversize!r}; choose one of {OVERSIZE_POLICIES}")
+    return oversize
 
 
 @dataclass(frozen=True)
@@ -212,13 +237,11 @@ def checked_minibatch(lengths: Sequence[int], world_size: int, max_tokens: int |
     """Check a planner's inputs and apply the oversize policy: samples longer than ``limit`` (default
     ``max_tokens``) are refused, truncated to it or skipped; ``too_long`` says, in the error, why such a sample
     cannot be trained whole (default: it exceeds ``max_tokens``)."""
-    if oversize not in OVERSIZE_POLICIES:
-        raise ValueError(f"unknown oversize policy {oversize!r}; choose one of {OVERSIZE_POLICIES}")
+    check_oversize(oversize)
     W = int(world_size)
     if W < 1:
         raise ValueError(f"world_size must be >= 1, got {world_size}")
-    if max_tokens is not None and max_tokens < 1:
-        raise ValueError(f"max_tokens must be a positive int or None, got {max_tokens}")
+    check_max_tokens(max_tokens)
     cm = get_cost_model(cost)
     lens = np.asarray(lengths, dtype=np.int64).reshape(-1)
     if lens.size and lens.min() < 0:

@@ -26,7 +26,7 @@ from dataclasses import dataclass
 from typing import Callable, Sequence
 
 from .cost import CostModel
-from .plan import OVERSIZE_POLICIES, Plan
+from .plan import Plan
 from .sp import SplitPolicy, longest_split_sample, plan_split
 from .whole import assign_lb_micro, assign_lb_mini, assign_local_sort, plan_whole
 

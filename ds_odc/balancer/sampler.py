@@ -40,7 +40,7 @@ from .autocost import AutoCost, CostUpdate, rank_rows
 from .checks import DataError, DataReport, check_lengths
 from .cost import CostModel
 from .options import auto_cost_prior, choose_cost
-from .plan import OVERSIZE_POLICIES, effective_lengths
+from .plan import check_max_tokens, check_oversize, effective_lengths
 from .planners import DEFAULT_PLANNER, get_planner, plan_minibatch
 from .sp import SplitPolicy
 
@@ -152,10 +152,7 @@ class BalancedBatchSampler:
         if minibatch_size < 1:
             raise ValueError(f"minibatch_size must be >= 1, got {minibatch_size}")
         spec = get_planner(planner)
-        if oversize not in OVERSIZE_POLICIES:
-            raise ValueError(f"unknown oversize policy {oversize!r}; choose one of {OVERSIZE_POLICIES}")
-        if max_tokens is not None and max_tokens < 1:
-            raise ValueError(f"max_tokens must be a positive int or None, got {max_tokens}")
+        oversize, max_tokens = check_oversize(oversize), check_max_tokens(max_tokens)
         self.split = (split or SplitPolicy()) if spec.splits else None
         self.token_limit = spec.longest_sample(max_tokens, world_size, self.split)  # the longest sample trained whole
         self.lengths = np.asarray(lengths).reshape(-1)

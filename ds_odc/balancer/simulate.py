@@ -61,7 +61,7 @@ import numpy as np
 from .autocost import AutoCost
 from .cost import MICROBATCH_PRIOR_TOKENS, CostModel, FittedCost, QuadraticCost, TokenCost, get_cost_model
 from .lengths import read_lengths
-from .plan import Plan, effective_lengths, odc_schedule, step_time
+from .plan import OVERSIZE_POLICIES, Plan, effective_lengths, odc_schedule, step_time
 from .planners import BASELINE_PLANNER, PLANNERS, get_planner, plan_minibatch
 from .presets import MODEL_SHAPES, PRESETS, get_preset
 from .sp import DEFAULT_INTER_NODE_SLOWDOWN, SplitPolicy
@@ -500,7 +500,7 @@ def main(argv: Sequence[str] | None = None) -> int:
                     help="with --lengths: consecutive minibatches of the file in order, as a run with --no-shuffle "
                          "(benchmarks/e2e.py) sees them, instead of random draws")
     ap.add_argument("--seed", type=int, default=0)
-    ap.add_argument("--oversize", default="truncate", choices=["error", "truncate", "skip"],
+    ap.add_argument("--oversize", default="truncate", choices=OVERSIZE_POLICIES,
                     help="samples longer than --max-tokens (default truncate; counted in the output)")
     ap.add_argument("--json", action="store_true", help="print one JSON object and nothing else")
     ap.add_argument("--plot", help="PNG: every planner's ranks on one time axis, microbatch by microbatch")

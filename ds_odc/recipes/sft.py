@@ -15,6 +15,7 @@ import numpy as np
 import torch
 
 from ds_odc.balancer import FittedCost, choose_cost
+from ds_odc.balancer.plan import OVERSIZE_POLICIES, check_max_tokens
 from ds_odc.balancer.planners import DEFAULT_PLANNER, PLANNERS, get_planner
 from ds_odc.balancer.presets import MODEL_SHAPES, PRESETS
 from ds_odc.balancer.sp import DEFAULT_EFFICIENCY, SplitPolicy
@@ -61,8 +62,9 @@ def sft_argument_parser(description: str | None = None, deepspeed_config: bool =
     p.add_argument("--ranks-per-node", type=int, default=None,
                    help=f"{splitting}: ranks that share a node's fast links (default: the launcher's LOCAL_WORLD_SIZE)")
     p.add_argument("--minibatch-size", type=int, default=4, help="samples per rank per optimizer step")
-    p.add_argument("--max-tokens", type=int, default=None, help="token budget per microbatch (default: 1 sample)")
-    p.add_argument("--oversize", default="error", choices=["error", "truncate", "skip"],
+    p.add_argument("--max-tokens", type=_max_tokens, default=None,
+                   help="token budget per microbatch (default: 1 sample)")
+    p.add_argument("--oversize", default="error", choices=OVERSIZE_POLICIES,
                    help="a sample longer than --max-tokens: stop with an error, truncate it, or skip it (counted)")
     p.add_argument("--steps", type=int, default=5)
     p.add_argument("--warmup-steps", type=int, default=0, help="steps excluded from the summary")
@@ -118,6 +120,18 @@ def sft_argument_parser(description: str | None = None, deepspeed_config: bool =
                    help="every rank on one GPU (torch.distributed over gloo): several ranks on a one-GPU machine, for correctness, not speed")
     p.add_argument("--local_rank", type=int, default=None)  # the deepspeed launcher passes it
     return p
+
+
+def _max_tokens(text: str) -> int:
+    """``--max-tokens``, checked by the budget's one rule as the flags are parsed (argparse names the flag)."""
+    try:
+        value: int | str = int(text)
+    except ValueError:
+        value = text  # not a number: the rule's error says what the flag takes
+    try:
+        return check_max_tokens(value)
+    except ValueError as err:
+        raise argparse.ArgumentTypeError(str(err)) from None
 
 
 def samples_from_args(args: argparse.Namespace) -> tuple[np.ndarray, list[list[int]] | None]:
