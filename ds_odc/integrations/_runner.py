@@ -15,12 +15,16 @@ One step, top to bottom (:meth:`OdcRunner.run`, entered once per step by the tra
     trainer.training_step            the trainer's file: its runner makes this rank's Microbatch records
       OdcRunner.run                  here: tag the minibatch, start the clock, then
         trainer.odc_prepare_step       once, on every rank (also one with no microbatch)
-        for each microbatch:           gradient sync off; forward_backward: inside microbatch_context,
-          trainer.odc_loss               the loss of one Microbatch, then its backward
+        for each microbatch:           gradient sync off; forward_backward: inside microbatch_context (a split
+          trainer.odc_loss               sample's group attention, TRL's step context), the loss of one
+                                         Microbatch, then its backward
         engine.step()                  where every rank meets (ODC's fence), whatever its count
         meet                           one all-gather: busy time, microbatches, tokens, the loss's metrics of every
                                        rank; the same StepRecord on every rank feeds the automatic cost (observe)
-    trainer.odc_step_metrics         the trainer's file again, once: the metrics combined over ranks
+        trainer.odc_step_metrics       once: the metrics combined over ranks
+
+So a step enters the trainer's file for its three hooks only (the loss once per microbatch); everything between them
+is read here (``tests/integrations/test_step_visits.py`` follows a step file by file).
 
 :class:`StepTrainer` names what the runner needs from a trainer. A new trainer over a dataset subclasses ``OdcTrainer``
 (before the TRL class: ``class OdcDPOTrainer(OdcTrainer, DPOTrainer)``) and adds a collator and a loss:
@@ -61,11 +65,12 @@ from transformers.utils import logging
 from ds_odc.balancer.autocost import AutoCost, CostUpdate, rank_rows
 from ds_odc.balancer.cost import CostModel
 from ds_odc.balancer.options import BalancerOptions, choose_cost
-from ds_odc.integrations._hf_privates import set_sync_gradients
+from ds_odc.integrations._hf_privates import set_sync_gradients, trl_step_context
 from ds_odc.integrations._metrics import BalanceMeter
 from ds_odc.integrations._setup import deepspeed_config_of
 from ds_odc.integrations._stock_metrics import SlotMetrics, combine
 from ds_odc.training.metrics import StepClock, StepRecord, record_from_rows
+from ds_odc.training.sequence_parallel import SequenceParallel
 from ds_odc.zero.engine import tag_minibatch, wait_seconds
 from ds_odc.zero.minibatch import MinibatchTag
 
@@ -191,6 +196,7 @@ class OdcRunner(StepRunner):
         self.options = options
         self.meter = BalanceMeter(trainer.args.world_size)
         self.cost: CostModel | AutoCost | None = None
+        self.sp: SequenceParallel | None = None  # groups of ranks for split samples (lb-mini-sp), created once
         # The ds_config keeps the caller's accumulation steps (filled in by TrainingArguments); ODC marks every
         # boundary itself, so the count is not used. Accelerate would adopt it anyway, with a "Gradient accumulation
         # steps mismatch" warning against the trainer's 1: give it the value now.
@@ -218,14 +224,15 @@ class OdcRunner(StepRunner):
 
     # -- the step ---------------------------------------------------------------------------------------------------
     def run(self, model, microbatches: Sequence[Microbatch], tag: MinibatchTag, *, load: tuple[int, float],
-            num_samples: int, metrics: SlotMetrics, generation: tuple[float, int] = (0.0, 0)
-            ) -> tuple[StepTimes, dict[str, list[float]]]:
+            num_samples: int, minibatch: Sequence[int], metrics: SlotMetrics,
+            generation: tuple[float, int] = (0.0, 0)) -> StepTimes:
         """One optimizer step of this rank (see the module docstring): the trainer's ``odc_prepare_step``, every
-        microbatch through :meth:`forward_backward`, the optimizer step every rank takes whatever its count, and the
-        meeting. ``tag``: which minibatch this is, checked at the step against every other rank's; ``load``: this
-        rank's (tokens, sum of squared sample lengths); ``num_samples``: the step's samples on all ranks;
-        ``metrics``: where the microbatches' losses record TRL's metrics; ``generation``: this rank's generation
-        seconds and new tokens since the last step. Returns this rank's times and ``metrics`` combined over ranks."""
+        microbatch through :meth:`forward_backward`, the optimizer step every rank takes whatever its count, the
+        meeting, and the trainer's ``odc_step_metrics``. ``tag``: which minibatch this is, checked at the step against
+        every other rank's; ``load``: this rank's (tokens, sum of squared sample lengths); ``num_samples``: the step's
+        samples on all ranks; ``minibatch``: those samples in the order the stock trainer trains them (for
+        ``odc_step_metrics``); ``metrics``: where the microbatches' losses record TRL's metrics; ``generation``: this
+        rank's generation seconds and new tokens since the last step. Returns this rank's times."""
         trainer = self.trainer
         engine = trainer.model_wrapped  # the DeepSpeedEngine
         tag_minibatch(engine, epoch=tag.epoch, step=tag.step, label_tokens=tag.label_tokens)
@@ -242,12 +249,18 @@ class OdcRunner(StepRunner):
         busy, step_time = clock.finish(wait_seconds(engine))
         times = StepTimes(total, busy, step_time, len(microbatches))
         everyone = self.meet(times, *load, num_samples, payload=metrics.records, generation=generation)
-        return times, combine(everyone)
+        trainer.odc_step_metrics(minibatch, combine(everyone))
+        return times
 
     def microbatch_context(self, model, mb: Microbatch) -> ContextManager:
         """What a microbatch's forward and backward run inside (both: gradient checkpointing recomputes the forward in
-        the backward)."""
-        return contextlib.nullcontext()
+        the backward): a split sample's group attention over :attr:`sp`'s groups, and what TRL's trainers wrap their
+        ``training_step`` in."""
+        stack = contextlib.ExitStack()
+        if mb.split is not None:
+            stack.enter_context(self.sp.run(mb.split))
+        stack.enter_context(trl_step_context(self.trainer))
+        return stack
 
     def forward_backward(self, model, mb: Microbatch) -> torch.Tensor:
         """Forward and backward of one microbatch, inside :meth:`microbatch_context`: the trainer's ``odc_loss`` (in

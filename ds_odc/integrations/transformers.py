@@ -30,10 +30,9 @@ Accelerate privates it needs besides (``_prepare_inputs``, ``_remove_unused_colu
 
 from __future__ import annotations
 
-import contextlib
 from collections.abc import Mapping
 from dataclasses import replace
-from typing import Any, ContextManager, Sequence
+from typing import Any, Sequence
 
 import numpy as np
 import torch
@@ -46,7 +45,7 @@ from ds_odc.balancer.sampler import BalancedBatchSampler
 from ds_odc.balancer.sp import SplitPolicy
 from ds_odc.config import odc_config_from_ds_config
 from ds_odc.integrations._hf_privates import (check_transformers, loss_shifts_labels, match_accelerate_backend,
-                                              prepare_inputs, remove_unused_columns, trl_step_context)
+                                              prepare_inputs, remove_unused_columns)
 from ds_odc.integrations._metrics import BalanceMeter
 from ds_odc.integrations._packs import (SPLIT_INPUTS_KEY, Pack, PackBatchSampler, PackCollator, PackDataset,
                                         PackLoader, SplitInputs, dataset_lengths, describe_row)
@@ -202,7 +201,6 @@ class PackRunner(OdcRunner):
         super().__init__(trainer, options)
         self.samples_per_rank = samples_per_rank
         self.pack_sampler: PackBatchSampler | None = None  # built with the loader
-        self.sp: SequenceParallel | None = None  # groups of ranks for split samples, created once
         self.resume_dir: str | None = None
         self.position: tuple[int, int] | None = None  # (epoch, next step) after the last trained pack
         self._order: tuple[int, np.ndarray] | None = None  # (epoch, its sample order)
@@ -335,17 +333,16 @@ class PackRunner(OdcRunner):
 
     def train(self, model, pack: Pack, num_items_in_batch) -> torch.Tensor:
         """One optimizer step: this rank's microbatches of ``pack``, through
-        :meth:`~ds_odc.integrations._runner.OdcRunner.run`, then the trainer's step metrics."""
+        :meth:`~ds_odc.integrations._runner.OdcRunner.run` (which ends with the trainer's step metrics)."""
         self._check_position(pack)
         if not self._attention_planned:
             self._attention_planned = True
             self.plan_attention()
         metrics = SlotMetrics()
-        times, combined = self.run(model, self.microbatches(pack, metrics, num_items_in_batch),
-                                   MinibatchTag(pack.epoch, pack.step, pack.step_label_tokens),
-                                   load=self.pack_sampler.sampler.load(pack.sample_ids, pack.splits),
-                                   num_samples=pack.num_samples, metrics=metrics)
-        self.trainer.odc_step_metrics(self.minibatch_ids(pack), combined)
+        times = self.run(model, self.microbatches(pack, metrics, num_items_in_batch),
+                         MinibatchTag(pack.epoch, pack.step, pack.step_label_tokens),
+                         load=self.pack_sampler.sampler.load(pack.sample_ids, pack.splits),
+                         num_samples=pack.num_samples, minibatch=self.minibatch_ids(pack), metrics=metrics)
         self.position = (pack.epoch, pack.step + 1)
         return times.loss.detach()
 
@@ -380,14 +377,6 @@ class PackRunner(OdcRunner):
                                   step_label_tokens=pack.step_label_tokens, step_samples=pack.num_samples,
                                   split=piece, num_items_in_batch=num_items_in_batch))
         return out
-
-    def microbatch_context(self, model, mb: Microbatch) -> ContextManager:
-        """A split sample's group attention, and what TRL's trainers wrap their ``training_step`` in."""
-        stack = contextlib.ExitStack()
-        if mb.split is not None:
-            stack.enter_context(self.sp.run(mb.split))
-        stack.enter_context(trl_step_context(self.trainer))
-        return stack
 
     def epoch_order(self, epoch: int) -> np.ndarray:
         """The dataset indices of ``epoch`` in the order its minibatches are cut from (kept for the epoch)."""

@@ -403,7 +403,7 @@ class RolloutRunner(OdcRunner):
 
     def _train_share(self, model, microbatches: list[list[int]], step_in_batch: int) -> torch.Tensor:
         """One optimizer step: this rank's ``microbatches`` of the rollout, through
-        :meth:`~ds_odc.integrations._runner.OdcRunner.run`, then TRL's metrics of the step."""
+        :meth:`~ds_odc.integrations._runner.OdcRunner.run` (which ends with TRL's metrics of the step)."""
         trainer, current = self.trainer, self.rollout
         metrics = SlotMetrics()
         step_samples = (trainer.args.per_device_train_batch_size * trainer.current_gradient_accumulation_steps
@@ -413,21 +413,24 @@ class RolloutRunner(OdcRunner):
                             step_samples=step_samples, num_items_in_batch=current.num_items_in_batch)
                  for ids in microbatches]
         generation, self.generation = tuple(self.generation), [0.0, 0]
-        # TRL's loss logs into `metrics`, rank-locally, by stock microbatch
-        with redirected_trl_metrics(trainer, metrics.sink()), \
-                rank_local_collectives(trainer.accelerator, on_reduce=metrics.on_reduce):
-            times, combined = self.run(model, share, MinibatchTag(None, trainer.state.global_step),
-                                       load=current.plan.load(microbatches), num_samples=step_samples,
-                                       metrics=metrics, generation=generation)
-        self.microbatch_history.append([r.microbatches for r in self.meter.records[-1].per_rank])
         minibatch = sorted(g for rank in current.plan.steps[step_in_batch] for mb in rank for g in mb)
-        trainer.odc_step_metrics(minibatch, combined)
+        times = self.run(model, share, MinibatchTag(None, trainer.state.global_step),
+                         load=current.plan.load(microbatches), num_samples=step_samples, minibatch=minibatch,
+                         metrics=metrics, generation=generation)
+        self.microbatch_history.append([r.microbatches for r in self.meter.records[-1].per_rank])
         trl_train_metrics(trainer)["step_time"].append(times.step_s)
         return times.loss
 
     def microbatch_context(self, model, mb: Microbatch) -> ContextManager:
-        # Packed attention through the backward too: gradient checkpointing runs each layer's forward again there
-        return packed_attention(model) if self.padding_free else contextlib.nullcontext()
+        """TRL's loss logs into the step's ``mb.metrics``, rank-locally, by stock microbatch (its collectives return
+        this rank's tensors); with padding-free rows, packed attention through the backward too (gradient
+        checkpointing runs each layer's forward again there)."""
+        stack = contextlib.ExitStack()
+        stack.enter_context(redirected_trl_metrics(self.trainer, mb.metrics.sink()))
+        stack.enter_context(rank_local_collectives(self.trainer.accelerator, on_reduce=mb.metrics.on_reduce))
+        if self.padding_free:
+            stack.enter_context(packed_attention(model))
+        return stack
 
     # -- checkpoints ------------------------------------------------------------------------------------------------
     def resume_from(self, checkpoint):
