@@ -30,7 +30,7 @@ from ds_odc.integrations import match_accelerate_backend
 from ds_odc.recipes.lora import lora_config
 from ds_odc.recipes.toy_text import char_tokenizer
 from ds_odc.recipes.trainer_config import accelerate_chose_deepspeed, zero3_config
-from ds_odc.training.distributed import init_distributed, output_folder, shutdown
+from ds_odc.training.distributed import init_distributed, output_folder, shutdown_and_exit
 
 WORDS = ["alpha", "beta", "gamma", "delta", "odc", "zero", "rank", "step", "token", "pack"]
 
@@ -124,7 +124,7 @@ def main():
         print(f"done: {trainer.state.global_step} steps ({mode}), loss {logs[0]['loss']:.4f} -> {logs[-1]['loss']:.4f}"
               f", rewards/accuracies {logs[0]['rewards/accuracies']:.2f} -> {logs[-1]['rewards/accuracies']:.2f}",
               flush=True)
-    shutdown()
+    shutdown_and_exit()
 
 
 if __name__ == "__main__":

@@ -32,7 +32,7 @@ import torch
 
 import ds_odc  # noqa: F401  (teaches DeepSpeed the `odc` key before GRPOConfig and the model)
 from ds_odc.integrations import activation_checkpointing
-from ds_odc.training.distributed import init_distributed, output_folder, shutdown
+from ds_odc.training.distributed import init_distributed, output_folder, shutdown_and_exit
 from ds_odc.recipes.lora import lora_config
 from ds_odc.recipes.toy_text import char_tokenizer
 from ds_odc.recipes.trainer_config import accelerate_chose_deepspeed, zero3_config
@@ -151,7 +151,7 @@ def main():
         mode = "odc + lb-mini" if trainer.odc else "stock zero-3"
         print(f"done: {trainer.state.global_step} steps ({mode}), reward {logs[0]['reward']:.3f} -> "
               f"{logs[-1]['reward']:.3f}", flush=True)
-    shutdown()
+    shutdown_and_exit()
 
 
 if __name__ == "__main__":

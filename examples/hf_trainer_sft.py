@@ -20,7 +20,7 @@ import torch
 import ds_odc  # noqa: F401  (teaches DeepSpeed the `odc` key: import before TrainingArguments and the model)
 from ds_odc.balancer.planners import DEFAULT_PLANNER, PLANNERS
 from ds_odc.recipes.trainer_config import zero3_config
-from ds_odc.training.distributed import init_distributed, output_folder, shutdown
+from ds_odc.training.distributed import init_distributed, output_folder, shutdown_and_exit
 
 PRESETS = {  # name: (hidden, layers, heads, kv heads, intermediate, vocab, max_tokens_per_microbatch, max_len)
     "tiny": (64, 2, 4, 4, 128, 1000, 128, 128),
@@ -119,7 +119,7 @@ def main():
         summary = {k: round(v, 4) for k, v in result.metrics.items()}
         print(f"done: {trainer.state.global_step} steps, {summary}", flush=True)
 
-    shutdown()
+    shutdown_and_exit()
 
 
 if __name__ == "__main__":

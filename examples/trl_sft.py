@@ -24,7 +24,7 @@ from ds_odc.integrations import activation_checkpointing, match_accelerate_backe
 from ds_odc.recipes.lora import lora_config
 from ds_odc.recipes.toy_text import char_tokenizer
 from ds_odc.recipes.trainer_config import accelerate_chose_deepspeed, zero3_config
-from ds_odc.training.distributed import init_distributed, output_folder, shutdown
+from ds_odc.training.distributed import init_distributed, output_folder, shutdown_and_exit
 
 
 def parse_args():
@@ -96,7 +96,7 @@ def main():
     if trainer.is_world_process_zero():
         print(f"done: {trainer.state.global_step} steps, train_loss={result.metrics['train_loss']:.4f}", flush=True)
 
-    shutdown()
+    shutdown_and_exit()
 
 
 if __name__ == "__main__":

@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import faulthandler
 import os
+import shutil
 import sys
 import warnings
 from datetime import timedelta
@@ -29,6 +30,7 @@ from datetime import timedelta
 __all__ = ["init_distributed", "output_folder", "runs_on_cpu", "shutdown", "shutdown_and_exit"]
 
 DEFAULT_CPU_TIMEOUT_S = 300.0
+_TEMPORARY_FOLDERS: list[str] = []  # made by output_folder on this rank, removed at exit
 TORCH_DEPRECATIONS_CALLED_BY_DEEPSPEED = ("all_gather_into_tensor", "reduce_scatter_tensor")
 # transformers 5 deprecated ``PreTrainedModel.is_gradient_checkpointing``; TRL reads it around generation and
 # log-probabilities, so the warning names a call that no script makes.
@@ -142,7 +144,6 @@ def output_folder(path: str | None, prefix: str = "ds_odc_") -> str:
     if path is not None:
         return path
     import atexit
-    import shutil
     import tempfile
 
     import torch.distributed as dist
@@ -152,6 +153,7 @@ def output_folder(path: str | None, prefix: str = "ds_odc_") -> str:
         dist.broadcast_object_list(made, src=0)
     if rank0:
         atexit.register(shutil.rmtree, made[0], ignore_errors=True)
+        _TEMPORARY_FOLDERS.append(made[0])  # shutdown_and_exit skips atexit: it removes them itself
     return made[0]
 
 
@@ -175,10 +177,12 @@ def shutdown_and_exit(exit_code: int = 0) -> None:
     which would make a finished job look failed. Output is flushed and the group is gone by then. Under ``mpirun``
     MPI is finalized first: that is what removes MPICH's ``/dev/shm/mpich_shm_*`` segment, and the hard exit skips
     the ``atexit`` hook in which mpi4py would otherwise do it; likewise the CUDA driver's ``/dev/shm/cuda.shm.*`` file
-    of a process that used the NVSHMEM transport is removed.
+    of a process that used the NVSHMEM transport is removed, and the temporary folders of :func:`output_folder`.
     """
     shutdown()
     _finalize_mpi()
+    for folder in _TEMPORARY_FOLDERS:
+        shutil.rmtree(folder, ignore_errors=True)
     if "ds_odc.ops.nvshmem_runtime" in sys.modules:  # the hard exit skips the atexit hook that removes its file
         sys.modules["ds_odc.ops.nvshmem_runtime"].remove_cuda_shm_files()
     faulthandler.cancel_dump_traceback_later()
