@@ -2,7 +2,9 @@
 against a reference with a stated tolerance:
 
 * ``examples/sft.py`` (the 0.5B shape, long-tail lengths, packed rows, lb-mini, fp32) against one rank training the
-  same global minibatches: the logged loss of every step;
+  same global minibatches: the logged loss of every step; the same with ODC's lock-step baseline (``odc.lockstep``,
+  lb-micro's equal counts, activation checkpointing: meetings before each block's forward and recomputation and after
+  its backward, on the device);
 * ``OdcTrainer`` (ODC + LB-Mini, uneven packs) against the stock Trainer with stock ZeRO-3 on the same minibatches
   (tests/integrations/hf_worker.py);
 * lockstep-free generation (every rank its own prompts, lengths and EOS; the third rank none) against the unsharded
@@ -36,16 +38,25 @@ SAMPLES_PER_STEP = 6  # a multiple of every rank count tested
 SFT_LOSS_TOL = 1e-4
 
 
-_SFT_RUNS: dict[int, tuple[list[float], dict]] = {}
+_SFT_RUNS: dict[tuple[int, bool], tuple[list[float], dict]] = {}
+LOCKSTEP_TIMEOUT_S = 60  # a lock-step meeting waits one block's imbalance at most: longer is a fault, named
 
 
-def _sft(nproc: int, tmp_path) -> tuple[list[float], dict]:
-    """Per-step losses and the metrics of examples/sft.py at ``nproc`` ranks (each rank count runs once)."""
-    if nproc in _SFT_RUNS:
-        return _SFT_RUNS[nproc]
-    out = tmp_path / f"sft{nproc}.json"
+def _sft(nproc: int, tmp_path, lockstep: bool = False) -> tuple[list[float], dict]:
+    """Per-step losses and the metrics of examples/sft.py at ``nproc`` ranks (each rank count runs once), with ODC's
+    lock-step baseline and lb-micro when ``lockstep``."""
+    if (nproc, lockstep) in _SFT_RUNS:
+        return _SFT_RUNS[nproc, lockstep]
+    args = list(SFT_ARGS)
+    if lockstep:
+        config = json.loads((REPO / "ds_configs" / "zero3_odc_fp32_cpu.json").read_text())
+        config["zero_optimization"]["odc"].update(lockstep=True, timeout_s=LOCKSTEP_TIMEOUT_S)
+        (tmp_path / "lockstep.json").write_text(json.dumps(config))
+        args[args.index("--deepspeed") + 1] = str(tmp_path / "lockstep.json")
+        args[args.index("--balancer") + 1] = "lb-micro"
+    out = tmp_path / f"sft{nproc}{'-lockstep' if lockstep else ''}.json"
     cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={nproc}",
-           str(REPO / "examples" / "sft.py"), *SFT_ARGS, "--minibatch-size", str(SAMPLES_PER_STEP // nproc),
+           str(REPO / "examples" / "sft.py"), *args, "--minibatch-size", str(SAMPLES_PER_STEP // nproc),
            "--metrics-json", str(out)]
     if placement(nproc) == "shared":
         cmd.append("--shared-gpu")
@@ -56,8 +67,8 @@ def _sft(nproc: int, tmp_path) -> tuple[list[float], dict]:
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-5000:]
     run = json.loads(out.read_text())
     assert run["config"]["world_size"] == nproc
-    _SFT_RUNS[nproc] = [step["loss"] for step in run["steps"]], run
-    return _SFT_RUNS[nproc]
+    _SFT_RUNS[nproc, lockstep] = [step["loss"] for step in run["steps"]], run
+    return _SFT_RUNS[nproc, lockstep]
 
 
 @pytest.mark.xdist_group("sft-example")
@@ -73,6 +84,20 @@ def test_sft_example_matches_one_rank(nvshmem_op, nproc, tmp_path, record_proper
     assert one[-1] < one[0], one  # it trained
     counts = [[r["microbatches"] for r in step["per_rank"]] for step in run["steps"]]
     assert all(sum(c) > 0 for c in counts), counts
+
+
+@pytest.mark.xdist_group("sft-example")
+@pytest.mark.parametrize("nproc", rank_params(2))
+def test_sft_example_with_lockstep_matches_one_rank(nvshmem_op, nproc, tmp_path):
+    """The lock-step baseline at model scale (24 blocks, activation checkpointing, ranks' rows of other lengths):
+    every rank meets equally often, and it trains what one rank trains."""
+    one, _ = _sft(1, tmp_path)
+    many, run = _sft(nproc, tmp_path, lockstep=True)
+    assert run["config"]["lockstep"] is True, run["config"]
+    worst = max(abs(a - b) / abs(b) for a, b in zip(many, one))
+    assert len(many) == 3 and worst <= SFT_LOSS_TOL, (many, one)
+    counts = [[r["microbatches"] for r in step["per_rank"]] for step in run["steps"]]
+    assert all(len(set(c)) == 1 for c in counts), counts  # lb-micro: the same count on every rank
 
 
 @pytest.mark.parametrize("nproc", rank_params(2))
