@@ -12,12 +12,12 @@ RANK_SCRIPT = textwrap.dedent("""
     import os
     import torch.distributed as dist
     from _support.launch import emit
-    from ds_odc.training.distributed import output_folder, shutdown
+    from ds_odc.training.distributed import output_folder, shutdown_and_exit
 
     dist.init_process_group("gloo")
     path = output_folder(None, prefix="ds_odc_example_")
     emit({"rank": dist.get_rank(), "path": path, "exists": os.path.isdir(path)})
-    shutdown()  # a normal exit: rank 0 removes the folder
+    shutdown_and_exit()  # as the examples end: the hard exit skips atexit, so it removes the folder itself
 """)
 
 
