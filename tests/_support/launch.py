@@ -156,8 +156,14 @@ def expect_error(fn) -> str:
 
 
 def emit(payload: dict) -> None:
-    """Print one result line for :func:`launch` to collect (call it on the rank that holds the result)."""
-    print(RESULT_PREFIX + json.dumps(payload), flush=True)
+    """Print one result line for :func:`launch` to collect (call it on the rank that holds the result). One write of
+    the whole line: ranks share the launcher's pipe, and ``print`` writes the text and its newline separately, so
+    under an unbuffered stdout another rank's line could land between them (up to the pipe's atomic size, 4 KiB
+    on Linux, a single write is never split)."""
+    sys.stdout.flush()
+    line = (RESULT_PREFIX + json.dumps(payload) + "\n").encode()
+    while line:
+        line = line[os.write(sys.stdout.fileno(), line):]
 
 
 def init_test_ranks(timeout_s: float = 60.0) -> None:
