@@ -259,7 +259,7 @@ def install_planned_loop(make_loader) -> None:
 
     @functools.wraps(stock_step)
     def step(engine, lr_kwargs=None):
-        check_balancer_read(engine, balancer_of(engine))
+        check_balancer_read(engine, balancer_of)
         plan = plan_of(engine)
         boundary = plan is not None and plan.current is not None and plan.current.boundary
         result = stock_step(engine, lr_kwargs)
@@ -327,11 +327,11 @@ def list_module_parameters_once(model) -> None:
 
 
 def holds_parameters(module) -> bool:
-    """Whether the coordinator fetches parameters for ``module``: a block (a ZeRO-3 leaf module, whose whole subtree
-    is fetched at once) or, outside blocks, a module with parameters of its own."""
-    from deepspeed.runtime.zero import partitioned_param_coordinator as coordinator_module
+    """Whether the coordinator fetches parameters for ``module`` of an ODC engine's model: a block (a ZeRO-3 leaf
+    module, whose whole subtree is fetched at once) or, outside blocks, a module with parameters of its own. Read off
+    the lists :func:`list_module_parameters_once` made, so the answer depends on the model alone."""
     from deepspeed.utils import z3_leaf_module
-    return next(iter(coordinator_module.iter_params(module, recurse=z3_leaf_module(module))), None) is not None
+    return bool(_MODULE_PARAMETERS[module][bool(z3_leaf_module(module))])
 
 
 def accumulation_of(engine):
@@ -606,14 +606,14 @@ class CoordinatorSeams:
     def fetch_sub_module(self, current_submodule, forward: bool) -> None:
         # Why: odc.lockstep's meeting before a block's forward (forward fetches only: a backward pre-hook runs once
         # per output and concurrent duplicates return early, a count ranks need not share).
-        if forward and self.odc.lockstep and holds_parameters(current_submodule):
+        if self.odc.lockstep and forward and holds_parameters(current_submodule):
             self.odc.meet_lockstep("the lock-step meeting before a block's forward")
         super().fetch_sub_module(current_submodule, forward)
 
     def release_sub_module(self, submodule, forward: bool = False) -> None:
         # Why: odc.lockstep's meeting after a block's backward (DeepSpeed's post-backward hook runs it once per call).
         super().release_sub_module(submodule, forward)
-        if not forward and self.odc.lockstep and holds_parameters(submodule):
+        if self.odc.lockstep and not forward and holds_parameters(submodule):
             self.odc.meet_lockstep("the lock-step meeting after a block's backward")
 
 

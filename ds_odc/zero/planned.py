@@ -100,14 +100,14 @@ def balancer_unread_explained() -> None:
     _UNREAD_EXPLAINED[0] = True
 
 
-def check_balancer_read(engine, balancer) -> None:
-    """At ``engine``'s first step: a ``zero_optimization.odc.balancer`` block (``balancer``, None if absent) that no
-    planned loader reads (the loop trains from a loader of its own, not the one
-    ``deepspeed.initialize(training_data=...)`` returned) plans nothing; say so once instead of ignoring it."""
+def check_balancer_read(engine, balancer_of: Callable) -> None:
+    """At ``engine``'s first step: a ``zero_optimization.odc.balancer`` block (``balancer_of(engine)``, None if
+    absent; read at that step only) that no planned loader reads (the loop trains from a loader of its own, not the
+    one ``deepspeed.initialize(training_data=...)`` returned) plans nothing; say so once instead of ignoring it."""
     if engine in _STEPPED:
         return
     _STEPPED.add(engine)
-    if balancer is None or plan_of(engine) is not None or _UNREAD_EXPLAINED[0]:
+    if plan_of(engine) is not None or _UNREAD_EXPLAINED[0] or balancer_of(engine) is None:
         return
     warnings.warn("ds_odc: zero_optimization.odc.balancer is set, but this engine trains without the loader "
                   "deepspeed.initialize(training_data=...) returns, so nothing is balanced: pass your dataset as "
