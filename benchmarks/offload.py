@@ -25,6 +25,10 @@ width with half its layers (about 4.4B parameters, 70 GB on the host). CPU smoke
 
     python benchmarks/offload.py --model tiny --scale 0.004 --optimizer torch --steps 3 --out /tmp/offload_smoke
 
+At ``--nproc 2`` or more on a machine with fewer GPUs, the ranks share GPU 0 (``DS_ODC_SHARED_GPU=1``): per-rank
+memory, not speed between ranks. The peaks are the largest rank's, and the table adds ODC's fp32 gradient
+accumulator, 4/W bytes per trainable parameter at W ranks, as its own line beside stock's peak.
+
 Where one call may not run that long, run the modes in separate calls into one folder and print the table after
 (``--modes stock``, ``--modes odc``, then ``--table-only``).
 """
@@ -82,10 +86,11 @@ def child(report: Path, sft_argv: list[str]) -> None:
 
     from ds_odc.recipes.sft import sft_argument_parser
     from ds_odc.recipes.train import train
+    from ds_odc.training.metrics import peak_memory_bytes
     from ds_odc.training.distributed import init_distributed, shutdown_and_exit
     from ds_odc.zero.engine import host_step_timer, symmetric_device_bytes
 
-    seen = {"steps": [], "device_used": 0, "symmetric": 0}
+    seen = {"steps": [], "device_used": 0, "symmetric": 0, "trainable": 0}
     initialize = deepspeed.initialize
 
     def initialize_and_time(*args, **kwargs):  # the loop builds its engine inside train(): time it as it is built
@@ -93,6 +98,7 @@ def child(report: Path, sft_argv: list[str]) -> None:
         engine = built[0]
         read = host_step_timer(engine)
         seen["symmetric"] = symmetric_device_bytes(engine)
+        seen["trainable"] = sum(getattr(q, "ds_numel", q.numel()) for q in engine.module.parameters() if q.requires_grad)
         step = engine.optimizer.step
 
         def timed_step(*a, **k):
@@ -113,10 +119,17 @@ def child(report: Path, sft_argv: list[str]) -> None:
     args = sft_argument_parser().parse_args(sft_argv)
     init_distributed()
     out = train(args)
+    mine = {"peak_device": peak_memory_bytes() + seen["symmetric"],
+            "host_peak_bytes": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024}
+    rank_report(report, int(os.environ.get("RANK", "0"))).write_text(json.dumps(mine))  # every rank's own peaks
     if out is not None:
-        out["offload"] = {**seen, "host_peak_bytes": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024}
+        out["offload"] = {**seen, **mine}
         report.write_text(json.dumps(out))
     shutdown_and_exit()
+
+
+def rank_report(report: Path, rank: int) -> Path:
+    return report.with_name(f"{report.stem}-rank{rank}.json")
 
 
 # -- the comparison --------------------------------------------------------------------------------------------------
@@ -124,6 +137,8 @@ def run(mode: str, args, lengths: Path, out: Path) -> dict | None:
     config, report = out / f"ds_config-{mode}.json", out / f"{args.model}-{mode}.json"
     write_config(mode, args.optimizer, config)
     report.unlink(missing_ok=True)
+    for stale in out.glob(f"{report.stem}-rank*.json"):
+        stale.unlink()
     cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={args.nproc}",
            str(Path(__file__).resolve()), "--child", str(report), "--",
            "--model", args.model, "--lengths-file", str(lengths), "--no-shuffle", "--balancer", "lb-micro",
@@ -134,8 +149,9 @@ def run(mode: str, args, lengths: Path, out: Path) -> dict | None:
     started = time.monotonic()
     with open(log, "w") as f, tempfile.TemporaryDirectory(prefix="ds_odc_offload_") as scratch:
         proc = subprocess.run(cmd, stdout=f, stderr=subprocess.STDOUT, timeout=args.run_timeout,
-                              env=dict(os.environ, TMPDIR=scratch, PYTHONPATH=os.pathsep.join(
-                                  p for p in [str(ROOT), os.environ.get("PYTHONPATH", "")] if p)))
+                              env=dict(os.environ, TMPDIR=scratch, **shared_gpu_env(args.nproc),
+                                       PYTHONPATH=os.pathsep.join(
+                                           p for p in [str(ROOT), os.environ.get("PYTHONPATH", "")] if p)))
     if proc.returncode != 0 or not report.exists():
         print(f"  {mode} FAILED (rc={proc.returncode}); log tail:\n{log.read_text()[-2500:]}", flush=True)
         return None
@@ -145,14 +161,25 @@ def run(mode: str, args, lengths: Path, out: Path) -> dict | None:
     return result
 
 
+def shared_gpu_env(nproc: int) -> dict[str, str]:
+    """More ranks than GPUs: every rank on GPU 0 (``DS_ODC_SHARED_GPU=1``), which measures memory per rank, not speed
+    between ranks."""
+    if nproc > 1 and torch.cuda.is_available() and torch.cuda.device_count() < nproc:
+        return {"DS_ODC_SHARED_GPU": "1"}
+    return {}
+
+
 def read_report(report: Path) -> dict:
-    """One mode's row of the table, from the report its launch wrote."""
+    """One mode's row of the table, from the report its launch wrote (rank 0) and every rank's own peaks."""
     written = json.loads(report.read_text())
     timed = written["offload"]["steps"][1:] or written["offload"]["steps"]  # the first minibatch warms up
+    ranks = [json.loads(f.read_text()) for f in sorted(report.parent.glob(f"{report.stem}-rank*.json"))]
+    ranks = ranks or [written["offload"]]
     return {"samples_per_s": written["summary"]["samples_per_s"],
-            "peak_device": written["summary"]["peak_mem_bytes"] + written["offload"]["symmetric"],
+            "peak_device": max(r["peak_device"] for r in ranks),  # the largest rank's
             "symmetric": written["offload"]["symmetric"], "device_used": written["offload"]["device_used"],
-            "host_peak": written["offload"]["host_peak_bytes"],
+            "host_peak": max(r["host_peak_bytes"] for r in ranks), "ranks": len(ranks),
+            "trainable": written["offload"].get("trainable", 0),
             "step_s": sum(s["step_s"] for s in timed) / len(timed),
             **{phase: sum(s.get(phase, 0.0) for s in timed) / len(timed) for phase in PHASES}}
 
@@ -179,6 +206,14 @@ def print_table(results: dict[str, dict | None], args) -> None:
     if odc and odc["symmetric"]:
         print(f"(odc's peak device memory includes {odc['symmetric'] / GIB:.2f} GiB of symmetric heap: shards and the "
               "fp32 gradient accumulator)")
+    if odc and stock and odc["trainable"] and stock["peak_device"]:
+        accumulator = 4 * odc["trainable"] / args.nproc
+        bound = (stock["peak_device"] + accumulator) * 1.05
+        print(f"peak device memory is the largest rank's. ODC's fp32 gradient accumulator: 4/{args.nproc} bytes per "
+              f"trainable parameter = {accumulator / GIB:.2f} GiB per rank ({odc['trainable']:,} parameters); "
+              f"stock + accumulator = {(stock['peak_device'] + accumulator) / GIB:.2f} GiB; ODC "
+              f"{odc['peak_device'] / GIB:.2f} GiB is {odc['peak_device'] / (stock['peak_device'] + accumulator):.3f}x "
+              f"of it ({'within' if odc['peak_device'] <= bound else 'ABOVE'} +5%)")
     print("step s: host wall time of the optimizer step per minibatch (ODC's fence and publish included); copy out: "
           "for stock its host time in backward's gradient copies and accumulation (partition_grads and the epilogue "
           "waiting for them), for ODC the step's wait for its copies; all per timed minibatch.")
