@@ -418,7 +418,8 @@ def scenario_rejects(args):
             config[key] = {**config[key], **value} if isinstance(value, dict) and key in config else value
         return config
 
-    out = {"rules": {}}
+    from deepspeed.accelerator import get_accelerator
+    out = {"rules": {}, "fp16_supported": bool(get_accelerator().is_fp16_supported())}
     for rule in CONFIG_RULES:
         for example in rule.examples:
             config = planted(example)
