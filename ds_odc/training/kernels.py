@@ -11,13 +11,9 @@
   Liger's layer kernels are left out: inside a compiled block inductor generates the same fusions, and dynamo
   cannot trace Liger's patched layers.
 
-[Note: the LM head under ZeRO-3] Liger's fused loss reads ``lm_head.weight`` inside the causal LM's own forward, not
-through the ``lm_head`` module, so ZeRO-3's hooks (stock or ODC) never fetch it: the kernel would get the empty
-shard. :func:`share_head_with_loss` registers the weight as an external parameter of the model itself (DeepSpeed's
-public ``register_external_parameter``): it is fetched with the model's forward, kept while the loss runs and while
-its gradient lands at the start of the backward, and its gradient is reduced (stock) or pushed (ODC) like any other.
-With tied embeddings it is the embedding's weight, which the same registration covers. Without DeepSpeed (FSDP2,
-plain training) the registration changes nothing.
+Liger's fused loss, like the chunked loss, reads ``lm_head.weight`` inside the causal LM's own forward rather than
+through the ``lm_head`` module; under ZeRO-3 the weight is shared with it the same way (:func:`share_head_with_loss`,
+see [Note: the LM head under ZeRO-3] in :mod:`ds_odc.training.loss`).
 
 Liger needs Triton (CUDA); on a machine without it ``"fused"`` raises an error that says so, and the chunked loss
 (:func:`ds_odc.training.loss.use_chunked_loss`) stays the loss that never holds the full logits. Liger's layer
@@ -35,6 +31,7 @@ from typing import Any
 import torch
 
 from ds_odc.training.compile import CompiledBlocks, CompileOptions, compile_blocks
+from ds_odc.training.loss import share_head_with_loss
 
 __all__ = ["Kernels", "apply_liger"]
 
@@ -90,22 +87,6 @@ def apply_liger(model: torch.nn.Module, **config: bool) -> None:
     apply(model=model, **{k: v for k, v in config.items() if k in accepted})
     if config.get("fused_linear_cross_entropy", True):
         share_head_with_loss(model)
-
-
-def share_head_with_loss(model: torch.nn.Module) -> bool:
-    """Make the LM head's weight (tied or not) present wherever ``model``'s own forward runs under ZeRO-3, as a loss
-    that reads it directly needs (see [Note: the LM head under ZeRO-3]). Idempotent; returns whether a weight was
-    registered (``False`` for a model without an output embedding, or without DeepSpeed installed)."""
-    head = model.get_output_embeddings() if hasattr(model, "get_output_embeddings") else None
-    weight = getattr(head, "weight", None)
-    if not isinstance(weight, torch.nn.Parameter):
-        return False
-    try:
-        from deepspeed.zero import register_external_parameter
-    except ImportError:  # pragma: no cover - nothing to coordinate without DeepSpeed
-        return False
-    register_external_parameter(model, weight)
-    return True
 
 
 def apply_kernels(model: torch.nn.Module, kernels: Kernels, *, liger: bool = True) -> CompiledBlocks | None:

@@ -16,8 +16,19 @@ model the same weighting is ``model(..., labels=labels, num_items_in_batch=N / W
 The loss without the logits: a 64k-token row times a 152k vocabulary is 40 GB of fp32 logits.
 :func:`chunked_causal_lm_loss` applies the LM head to a few thousand positions at a time and recomputes each chunk's
 logits in the backward (activation checkpointing of the chunk), so at most one chunk of logits exists at once; it
-is one ordinary autograd graph, so ZeRO-3 (stock or ODC), FSDP2 and tied embeddings need nothing special.
-:func:`use_chunked_loss` makes a Hugging Face causal LM compute its training loss that way.
+is one ordinary autograd graph, so FSDP2 and tied embeddings need nothing special, and ZeRO-3 only the head's weight
+shared with the loss. :func:`use_chunked_loss` makes a Hugging Face causal LM compute its training loss that way.
+
+[Note: the LM head under ZeRO-3]
+The number of chunks follows the row's length, so it differs between ranks. Called as a module once per chunk, the
+head would make stock ZeRO-3 all-gather its weight a different number of times on every rank (until DeepSpeed has
+traced the model): a collective mismatch, which gloo reports and NCCL may hang on. So the chunked loss reads the
+head's weight directly, as Liger's fused loss does, and :func:`share_head_with_loss` registers it as an external
+parameter of the model itself (DeepSpeed's public ``register_external_parameter``): it is fetched with the model's
+forward, and again as the model's backward begins, where the chunks are recomputed, the same number of times on
+every rank; its gradient is reduced (stock) or pushed (ODC) like any other. With tied embeddings it is the
+embedding's weight, which the same registration covers. Without DeepSpeed (FSDP2, plain training) the registration
+changes nothing.
 """
 
 from __future__ import annotations
@@ -29,7 +40,7 @@ import torch
 import torch.nn.functional as F
 from torch.utils.checkpoint import checkpoint
 
-__all__ = ["global_mean_weight", "token_loss_sum", "count_loss_tokens", "use_chunked_loss"]
+__all__ = ["global_mean_weight", "token_loss_sum", "count_loss_tokens", "use_chunked_loss", "share_head_with_loss"]
 
 IGNORE_INDEX = -100  # the label of a position that adds no loss: cross_entropy's default, as transformers and TRL use
 DEFAULT_CHUNK_TOKENS = 4096
@@ -74,9 +85,15 @@ def chunked_causal_lm_loss(hidden_states: torch.Tensor, lm_head: torch.nn.Module
                            ignore_index: int = IGNORE_INDEX, chunk_tokens: int = DEFAULT_CHUNK_TOKENS) -> torch.Tensor:
     """transformers' causal-LM loss (``ForCausalLMLoss``) computed from the last hidden states, ``chunk_tokens``
     positions at a time: the next-token cross-entropy in fp32, summed, divided by ``num_items_in_batch`` when given,
-    else averaged over the label tokens. ``shift_labels`` (already aligned with the positions) replace ``labels``."""
+    else averaged over the label tokens. ``shift_labels`` (already aligned with the positions) replace ``labels``.
+    ``lm_head``: a ``torch.nn.Linear``, whose weight and bias are read directly (see [Note: the LM head under
+    ZeRO-3])."""
     if chunk_tokens <= 0:
         raise ValueError(f"chunk_tokens must be positive, got {chunk_tokens}")
+    if not isinstance(lm_head, torch.nn.Linear):
+        raise ValueError(f"ds_odc: the chunked loss reads the LM head's weight, so the head must be a torch.nn.Linear, "
+                         f"not {type(lm_head).__name__} (adapters on the head?); train without the chunked loss "
+                         "(loss_chunk_tokens 0)")
     if shift_labels is None:
         if labels is None:
             raise ValueError("chunked_causal_lm_loss needs labels or shift_labels")
@@ -86,8 +103,10 @@ def chunked_causal_lm_loss(hidden_states: torch.Tensor, lm_head: torch.nn.Module
     if targets.numel() != hidden.shape[0]:
         raise ValueError(f"labels have {targets.numel()} positions, hidden states {hidden.shape[0]}")
 
+    weight, bias = lm_head.weight, lm_head.bias
+
     def chunk_loss_sum(h: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
-        return F.cross_entropy(lm_head(h).float(), y, ignore_index=ignore_index, reduction="sum")
+        return F.cross_entropy(F.linear(h, weight, bias).float(), y, ignore_index=ignore_index, reduction="sum")
 
     recompute = torch.is_grad_enabled() and hidden.requires_grad
     total = None
@@ -125,7 +144,24 @@ def use_chunked_loss(model: torch.nn.Module, chunk_tokens: int = DEFAULT_CHUNK_T
                          "(output_router_logits), which the chunked loss would leave out")
     model.forward = types.MethodType(_chunked_forward, model)
     model.ds_odc_loss_chunk_tokens = chunk_tokens
+    share_head_with_loss(model)
     return model
+
+
+def share_head_with_loss(model: torch.nn.Module) -> bool:
+    """Make the LM head's weight (tied or not) present wherever ``model``'s own forward (and its backward) runs under
+    ZeRO-3, as a loss that reads it directly needs (see [Note: the LM head under ZeRO-3]). Idempotent; returns whether
+    a weight was registered (``False`` for a model without an output embedding, or without DeepSpeed installed)."""
+    head = model.get_output_embeddings() if hasattr(model, "get_output_embeddings") else None
+    weight = getattr(head, "weight", None)
+    if not isinstance(weight, torch.nn.Parameter):
+        return False
+    try:
+        from deepspeed.zero import register_external_parameter
+    except ImportError:  # pragma: no cover - nothing to coordinate without DeepSpeed
+        return False
+    register_external_parameter(model, weight)
+    return True
 
 
 def _chunked_forward(self, input_ids=None, labels=None, *args, shift_labels=None, num_items_in_batch=None,

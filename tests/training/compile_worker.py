@@ -21,8 +21,8 @@ from ds_odc.training import attention  # noqa: F401  (registers ds_odc_varlen)
 from ds_odc.training.collate import PackedCollator
 from ds_odc.training.compile import CompileOptions, compile_blocks, compile_counts
 from ds_odc.training.distributed import shutdown_and_exit
-from ds_odc.training.kernels import Kernels, apply_kernels, share_head_with_loss
-from ds_odc.training.loss import count_loss_tokens, global_mean_weight, use_chunked_loss
+from ds_odc.training.kernels import Kernels, apply_kernels
+from ds_odc.training.loss import count_loss_tokens, global_mean_weight, share_head_with_loss, use_chunked_loss
 
 sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", "zero"))
 sys.path.insert(0, os.path.dirname(__file__))

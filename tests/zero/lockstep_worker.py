@@ -4,10 +4,11 @@ tests/gpu/test_lockstep_gpu.py on CUDA ranks).
 Usage: lockstep_worker.py [--delay S] [--fewer R --timeout T]. Rank 0 prints one ODC_RESULT line with the numbers of
 the first two checks; with ``--fewer`` every rank then prints one line more, with the error it raised.
 
-* equal (always): stock ZeRO-3 and lockstep ODC train the same minibatches in the drop-in loop (GAS 2, SGD), and one
-  process trains them in float64 (the bound's reference). Every microbatch's lock-step meetings are counted (by
+* equal (always): stock ZeRO-3 and lockstep ODC train the same minibatches in the drop-in loop (GAS 2, SGD), both
+  with the chunked loss (the head applied ``CHUNK`` positions at a time, so as many times as a rank's row needs), and
+  one process trains them in float64 (the bound's reference). Every microbatch's lock-step meetings are counted (by
   wrapping the transport's), beside the model's fetch units (blocks, and modules with parameters of their own
-  outside blocks), and each step's ``odc_lockstep``;
+  outside blocks), each step's ``odc_lockstep``, and whether the ranks' head calls differed in some microbatch;
 * delay (``--delay S``): the last rank sleeps S seconds before each microbatch, for 2 steps of the lockstep engine
   and 2 of a plain ODC engine (which must hold no lock-step meeting); per step, rank 0's waits;
 * fewer (``--fewer R``): a lockstep engine with ``timeout_s`` T and managed accumulation off, where rank R runs one
@@ -33,6 +34,7 @@ from _workload import ds_config, full_params, max_rel_diff, minibatch, reference
 from worker import build, init_ranks, rank_world, train_uneven  # noqa: E402
 
 GAS, STEPS, DELAY_STEPS = 2, 3, 2
+CHUNK = 8  # positions per head call of the chunked loss: samples of 4 to 24 tokens take 1 to 3 calls
 
 
 class Counted:
@@ -92,11 +94,12 @@ def drop_in(engine, steps: int, offset: int = 0, delay: float = 0.0, counted: Co
 
 def check_equal_and_delay(args) -> dict:
     rank, world = rank_world()
+    from ds_odc.training.loss import use_chunked_loss
     lockstep = {"enabled": True, "lockstep": True, "timeout_s": 120}
-    stock = build(tiny_llama(), ds_config(None, gas=GAS, optimizer="sgd"))
+    stock = build(use_chunked_loss(tiny_llama(), CHUNK), ds_config(None, gas=GAS, optimizer="sgd"))
     stock_losses, _ = drop_in(stock, STEPS)
     stock_params = full_params(stock)
-    engine = build(tiny_llama(), ds_config(lockstep, gas=GAS, optimizer="sgd"))
+    engine = build(use_chunked_loss(tiny_llama(), CHUNK), ds_config(lockstep, gas=GAS, optimizer="sgd"))
     counted = Counted(engine)
     losses, steps = drop_in(engine, STEPS, counted=counted)
     params = full_params(engine)
@@ -110,6 +113,8 @@ def check_equal_and_delay(args) -> dict:
            "loss_ref": [sample_losses[step * GAS * world + k * world + rank] for step in range(STEPS)
                         for k in range(GAS)],
            "per_microbatch": counted.per_microbatch, "steps": steps, "fetch_units": fetch_units(engine.module),
+           "head_calls_differ": any(len({-(-minibatch(step, GAS * world)[k * world + r].shape[1] // CHUNK)
+                                         for r in range(world)}) > 1 for step in range(STEPS) for k in range(GAS)),
            "transport": engine.optimizer.odc.transport.name, "optimizer": type(engine.optimizer).__name__}
     if args.delay:
         _, out["delayed_lockstep"] = drop_in(engine, DELAY_STEPS, offset=STEPS, delay=args.delay)

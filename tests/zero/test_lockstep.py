@@ -60,15 +60,17 @@ def test_lockstep_equals_stock_zero3(ranks, request):
 
 
 def test_every_block_meets_before_its_forward_and_after_its_backward(two_ranks):
-    """Per microbatch: one lock-step meeting before the forward of each fetch unit (the tiny model's 2 blocks, and
-    its embedding, final norm and head, which have parameters of their own) and one after the backward of each but
-    the embedding (its input, token ids, has no gradient, so it has no backward), and no other: the same count in
-    every microbatch, the first included, though DeepSpeed fetches module by module until it has traced the model
-    and prefetches after, and though every rank's rows have other lengths. Each step's tally counts its microbatches'
-    meetings. Plain ODC holds none."""
+    """Per microbatch: one lock-step meeting before the forward of each fetch unit that runs (the tiny model's 2
+    blocks, and its embedding and final norm, which have parameters of their own; not the head, whose weight the
+    chunked loss reads within the model's own forward) and one after the backward of each but the embedding (its
+    input, token ids, has no gradient, so it has no backward), and no other: the same count in every microbatch, the
+    first included, though DeepSpeed fetches module by module until it has traced the model and prefetches after,
+    and though every rank's rows have other lengths, so that the loss applies the head a different number of times
+    on each. Each step's tally counts its microbatches' meetings. Plain ODC holds none."""
     per_microbatch, steps, units = two_ranks["per_microbatch"], two_ranks["steps"], two_ranks["fetch_units"]
-    assert units == 5, two_ranks["fetch_units"]
-    assert all(c["meetings"] == 2 * units - 1 for c in per_microbatch), per_microbatch
+    assert units == 5, two_ranks["fetch_units"]  # embedding, 2 blocks, final norm, head
+    assert two_ranks["head_calls_differ"], "no microbatch where the ranks' rows need different numbers of head calls"
+    assert all(c["meetings"] == 2 * (units - 1) - 1 for c in per_microbatch), per_microbatch
     assert per_microbatch[0]["fetches"] != per_microbatch[1]["fetches"], per_microbatch  # the trace changed fetches
     gas = len(per_microbatch) // len(steps)
     for i, step in enumerate(steps):
