@@ -70,8 +70,7 @@ def train(odc, counts, *, kernels: str, steps: int, backend: str, tied: bool = F
         if register_head:
             share_head_with_loss(model)
     else:
-        # Stock ZeRO-3 gathers the head at every chunk: ranks with rows of other lengths would issue other numbers of
-        # all-gathers. One chunk per row there; under ODC (reads, no collectives) chunks of 16 positions.
+        # Chunks of 16 positions under ODC, one per row under stock: the comparison covers the chunking too.
         use_chunked_loss(model, chunk_tokens=16 if odc else 4096)
     extra = {}
     if blocks and not odc:  # stock ZeRO-3 with the leaf-module flag ODC sets by itself
