@@ -81,13 +81,16 @@ class CostUpdate:
 
 
 def rank_rows(per_rank: Any) -> tuple[list[float], list[float], list[float], list[float]]:
-    """(tokens, sq_tokens, microbatches, busy_s) per rank from a ``StepRecord``, its ``per_rank`` list, or dicts."""
-    rows = getattr(per_rank, "per_rank", per_rank)
-    get = (lambda r, k: r[k]) if rows and isinstance(rows[0], Mapping) else getattr
+    """(tokens, sq_tokens, microbatches, work seconds) per rank from a ``StepRecord``, its ``per_rank`` list, or
+    dicts. Work is ``busy_s`` less ``device_wait_s``: the waits of ``odc.lockstep``'s meetings on the device, which
+    ``busy_s`` includes (as a collective's are) and which are no cost of the rank's samples; fitted with them, every
+    rank of a lock-step step looks equally busy whatever its load."""
     cols = ([], [], [], [])
-    for r in rows:
-        for col, key in zip(cols, ("tokens", "sq_tokens", "microbatches", "busy_s")):
-            col.append(float(get(r, key)))
+    for r in getattr(per_rank, "per_rank", per_rank):
+        r = r if isinstance(r, Mapping) else vars(r)
+        for col, key in zip(cols[:3], ("tokens", "sq_tokens", "microbatches")):
+            col.append(float(r[key]))
+        cols[3].append(float(r["busy_s"]) - float(r.get("device_wait_s", 0.0)))
     return cols
 
 

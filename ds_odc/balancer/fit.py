@@ -25,6 +25,7 @@ from typing import Sequence
 
 import numpy as np
 
+from .autocost import rank_rows
 from .lsq import solve, stats_of
 
 __all__: list[str] = []
@@ -33,17 +34,17 @@ COLUMNS = ("a (per token)", "b (per token^2)", "c (per microbatch)", "d (per ste
 
 
 def rank_steps(metrics: dict, warmup_steps: int = 1) -> np.ndarray:
-    """[n, 5] rows (tokens, sum L^2, microbatches, 1, busy_s) of the timed steps of one metrics file (a profiled
-    step is not timed)."""
+    """[n, 5] rows (tokens, sum L^2, microbatches, 1, busy seconds) of the timed steps of one metrics file (a
+    profiled step is not timed); busy as the automatic cost counts it (``autocost.rank_rows``: lock-step waits out)."""
     rows = []
     profiled = (metrics.get("config") or {}).get("profile_step")
     for i, step in enumerate(metrics["steps"]):
         if i < warmup_steps or i == profiled:
             continue
-        for r in step["per_rank"]:
-            if "sq_tokens" not in r:
-                raise ValueError("this metrics file has no sq_tokens per rank; re-run with a current examples/sft.py")
-            rows.append((r["tokens"], r["sq_tokens"], r["microbatches"], 1.0, r["busy_s"]))
+        if any("sq_tokens" not in r for r in step["per_rank"]):
+            raise ValueError("this metrics file has no sq_tokens per rank; re-run with a current examples/sft.py")
+        tokens, sq_tokens, microbatches, busy = rank_rows(step["per_rank"])
+        rows += [(t, q, m, 1.0, b) for t, q, m, b in zip(tokens, sq_tokens, microbatches, busy)]
     return np.asarray(rows, dtype=np.float64).reshape(-1, 5)
 
 
