@@ -337,21 +337,38 @@ def ratio(runs: dict[str, list[dict]], mode: str, base: str) -> float:
     return statistics.median(a["samples_per_s"] / b["samples_per_s"] for a, b in pairs) if pairs else float("nan")
 
 
-def print_replays(results: dict[str, dict]) -> None:
+def print_replays(results: dict[str, dict], calibrate_on: str | None = None) -> None:
     """The simulator's step time for each mode's (median) run beside the measured one
-    (:func:`ds_odc.balancer.simulate.replay_run`: its minibatches in order, its planner and sync, its own cost fit)."""
-    print("\nsimulator replaying each run (its minibatches, planner and sync; cost fitted to its own timed steps)")
-    print(f"{'mode':<34}{'measured s/step':>16}{'predicted':>11}{'predicted/measured':>20}   cost")
+    (:func:`ds_odc.balancer.simulate.replay_run`: its minibatches in order, its planner and sync, its own cost fit),
+    and, in the last column, its prediction with the cost fitted to ``calibrate_on``'s run instead (default: the
+    first mode that replays): one mode's measured costs predicting the others' step times."""
+    print("\nsimulator replaying each run (its minibatches, planner and sync; cost fitted to its own timed steps, "
+          "and in the next to last column to one mode's run for all)")
+    replays, errors = {}, {}
     for mode, r in results.items():
         try:
-            replay = replay_run(json.loads(Path(r["metrics_file"]).read_text()))
+            metrics = json.loads(Path(r["metrics_file"]).read_text())
+            replays[mode] = (metrics, replay_run(metrics))
         except (OSError, KeyError, ValueError) as err:
-            print(f"{mode:<34}{'-':>16}{'-':>11}{'-':>20}   not replayed: {err}")
+            errors[mode] = err
+    base = calibrate_on if calibrate_on in replays else next(iter(replays), None)
+    cross = f"with {base}'s cost" if base else ""
+    print(f"{'mode':<34}{'measured s/step':>16}{'predicted':>11}{'predicted/measured':>20}{cross:>{len(cross) + 3}}"
+          "   own cost")
+    for mode in results:
+        if mode in errors:
+            print(f"{mode:<34}{'-':>16}{'-':>11}{'-':>20}   not replayed: {errors[mode]}")
             continue
+        metrics, replay = replays[mode]
         n, cost = replay["steps"], replay["cost"]
+        try:
+            other = replay_run(metrics, cost={**replays[base][1]["cost"], "source": f"{base}'s fit"})["ratio"]
+            other = f"{other:.2f}x"
+        except (KeyError, ValueError):
+            other = "-"
         print(f"{mode:<34}{replay['measured_s'] / n:>16.3f}{replay['predicted_s'] / n:>11.3f}"
-              f"{replay['ratio']:>19.2f}x   {cost['source']}: a={cost['a']:.3g} b={cost['b']:.3g} "
-              f"c={cost['c']:.3g} d={cost['d']:.3g}")
+              f"{replay['ratio']:>19.2f}x{other:>{len(cross) + 3}}   {cost['source']}: a={cost['a']:.3g} "
+              f"b={cost['b']:.3g} c={cost['c']:.3g} d={cost['d']:.3g}")
 
 
 def main():
@@ -374,6 +391,9 @@ def main():
     p.add_argument("--cost", default="auto", choices=["auto", "tokens", "quadratic", "fitted"],
                    help="the balancer cost of every mode (default auto: refitted from each run's measured busy times)")
     p.add_argument("--cost-coeffs", help="A,B,C for --cost fitted (e.g. the per-microbatch overhead measured here)")
+    p.add_argument("--calibrate-on", metavar="MODE",
+                   help="the run whose fitted cost the simulator table's last column predicts every mode with "
+                        "(default: the first mode that ran)")
     p.add_argument("--sdpa-backends", help="passed to every mode (examples/sft.py --sdpa-backends)")
     p.add_argument("--profile", action="store_true",
                    help="run one more minibatch under the torch profiler (not timed): host vs device time per layer")
@@ -483,7 +503,7 @@ def report(runs: dict[str, list[dict]], args, out: Path) -> None:
     if args.repeat > 1:
         print("samples/s of every round: " + "; ".join(
             f"{m} {' '.join(f'{x:.3f}' for x in r['runs_samples_per_s'])}" for m, r in ok.items()))
-    print_replays(ok)
+    print_replays(ok, args.calibrate_on)
     profiled = {m: rs[0]["profile"] for m, rs in runs.items() if rs and rs[0].get("profile")}
     if profiled:
         print(f"\nprofile of one more minibatch (rank 0, not timed above; files in {out}/profile-*)")

@@ -310,7 +310,8 @@ def simulate(
     return summary
 
 
-def replay_run(metrics: dict, lengths: Sequence[int] | None = None, warmup_steps: int | None = None) -> dict:
+def replay_run(metrics: dict, lengths: Sequence[int] | None = None, warmup_steps: int | None = None,
+               cost: dict | None = None) -> dict:
     """The simulator's step time for a measured run, beside the measured one.
 
     ``metrics``: a ``--metrics-json`` file of ``examples/sft.py`` or ``benchmarks/fsdp2_sft.py`` run with
@@ -318,9 +319,10 @@ def replay_run(metrics: dict, lengths: Sequence[int] | None = None, warmup_steps
     ``--lengths-file``). Each timed step is simulated on the run's own minibatch, planned by the run's planner, under
     the run's sync (ODC's once per minibatch when ODC ran without ``lockstep``, else collective: every microbatch on
     every rank at once), with the cost fitted to the run's own timed rank-steps (:mod:`ds_odc.balancer.fit`; the cost
-    the run had fitted itself when there are too few rank-steps), its per-step term added to every step. Returns
-    ``{"predicted_s", "measured_s", "ratio", "steps", "cost"}``, totals over the timed steps; ratio = predicted /
-    measured. Raises ValueError when the run cannot be replayed."""
+    the run had fitted itself when there are too few rank-steps), its per-step term added to every step; or with
+    ``cost`` (``{"a", "b", "c", "d"}``, e.g. another run's replay's ``"cost"``): a prediction of this run from what
+    was measured elsewhere. Returns ``{"predicted_s", "measured_s", "ratio", "steps", "cost"}``, totals over the
+    timed steps; ratio = predicted / measured. Raises ValueError when the run cannot be replayed."""
     from .fit import automatic_cost, fit, rank_steps
 
     config = metrics.get("config") or {}
@@ -331,17 +333,21 @@ def replay_run(metrics: dict, lengths: Sequence[int] | None = None, warmup_steps
             raise ValueError("the run has no --lengths-file; pass its lengths")
         lengths = read_lengths(config["lengths_file"])
     warmup = int(config.get("warmup_steps", 0)) if warmup_steps is None else warmup_steps
-    rows = rank_steps(metrics, warmup)
-    try:
-        (a, b, c, d), _ = fit(rows)
-        source = "fit of the run's timed rank-steps"
-    except ValueError:
-        auto = automatic_cost(metrics)
-        if auto is None:
-            raise ValueError(f"{len(rows)} timed rank-steps and no automatic cost recorded: nothing to price the "
-                             "samples with") from None
-        a, b, c, d = (float(auto[k]) for k in "abcd")
-        source = "the run's automatic cost"
+    if cost is not None:
+        a, b, c, d = (float(cost[k]) for k in "abcd")
+        source = cost.get("source", "given")
+    else:
+        rows = rank_steps(metrics, warmup)
+        try:
+            (a, b, c, d), _ = fit(rows)
+            source = "fit of the run's timed rank-steps"
+        except ValueError:
+            auto = automatic_cost(metrics)
+            if auto is None:
+                raise ValueError(f"{len(rows)} timed rank-steps and no automatic cost recorded: nothing to price the "
+                                 "samples with") from None
+            a, b, c, d = (float(auto[k]) for k in "abcd")
+            source = "the run's automatic cost"
     ranks, per_rank = int(config["world_size"]), int(config["minibatch_size"])
     per_step = ranks * per_rank
     pool = np.asarray(lengths, dtype=np.int64)

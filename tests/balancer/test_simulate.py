@@ -251,6 +251,10 @@ def test_replay_predicts_a_run_that_follows_the_model(planner, engine, runtime, 
     assert replay["ratio"] == pytest.approx(1.0, rel=1e-6), replay
     assert replay["measured_s"] < 4 * 100.0
 
+    given = replay_run(metrics, lengths, cost=replay["cost"])  # a cost measured elsewhere: here the same one
+    assert given["ratio"] == replay["ratio"] and given["cost"]["source"] == replay["cost"]["source"]
+    slower = replay_run(metrics, lengths, cost={**replay["cost"], "a": 2 * replay["cost"]["a"], "source": "x2"})
+    assert slower["ratio"] > 1.05 and slower["cost"]["source"] == "x2", slower
     shifted = replay_run(metrics, lengths[ranks * per_rank:] + lengths[:ranks * per_rank])  # other minibatches
     assert shifted["ratio"] != pytest.approx(1.0, rel=1e-3), shifted
     with pytest.raises(ValueError, match="no-shuffle"):
