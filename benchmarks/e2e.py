@@ -352,6 +352,8 @@ def print_replays(results: dict[str, dict], calibrate_on: str | None = None) -> 
         except (OSError, KeyError, ValueError) as err:
             errors[mode] = err
     base = calibrate_on if calibrate_on in replays else next(iter(replays), None)
+    if calibrate_on and base != calibrate_on:
+        print(f"(--calibrate-on {calibrate_on}: no replayed run of that mode in this call; priced with {base}'s)")
     cross = f"with {base}'s cost" if base else ""
     print(f"{'mode':<34}{'measured s/step':>16}{'predicted':>11}{'predicted/measured':>20}{cross:>{len(cross) + 3}}"
           "   own cost")
