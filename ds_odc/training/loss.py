@@ -26,7 +26,8 @@ traced the model): a collective mismatch, which gloo reports and NCCL may hang o
 head's weight directly, as Liger's fused loss does, and :func:`share_head_with_loss` registers it as an external
 parameter of the model itself (DeepSpeed's public ``register_external_parameter``): it is fetched with the model's
 forward, and again as the model's backward begins, where the chunks are recomputed, the same number of times on
-every rank; its gradient is reduced (stock) or pushed (ODC) like any other. With tied embeddings it is the
+every rank (unregistered, DeepSpeed would register it itself at the first read inside a forward and gather it
+there); its gradient is reduced (stock) or pushed (ODC) like any other. With tied embeddings it is the
 embedding's weight, which the same registration covers. Without DeepSpeed (FSDP2, plain training) the registration
 changes nothing.
 """
@@ -149,18 +150,21 @@ def use_chunked_loss(model: torch.nn.Module, chunk_tokens: int = DEFAULT_CHUNK_T
 
 
 def share_head_with_loss(model: torch.nn.Module) -> bool:
-    """Make the LM head's weight (tied or not) present wherever ``model``'s own forward (and its backward) runs under
-    ZeRO-3, as a loss that reads it directly needs (see [Note: the LM head under ZeRO-3]). Idempotent; returns whether
-    a weight was registered (``False`` for a model without an output embedding, or without DeepSpeed installed)."""
+    """Make the LM head's weight (tied or not) and bias, if any, present wherever ``model``'s own forward (and its
+    backward) runs under ZeRO-3, as a loss that reads them directly needs (see [Note: the LM head under ZeRO-3]).
+    Idempotent; returns whether a weight was registered (``False`` for a model without an output embedding, or
+    without DeepSpeed installed)."""
     head = model.get_output_embeddings() if hasattr(model, "get_output_embeddings") else None
     weight = getattr(head, "weight", None)
     if not isinstance(weight, torch.nn.Parameter):
         return False
     try:
-        from deepspeed.zero import register_external_parameter
+        import deepspeed  # deepspeed.zero is an attribute of the package, not a module to import from
     except ImportError:  # pragma: no cover - nothing to coordinate without DeepSpeed
         return False
-    register_external_parameter(model, weight)
+    for param in (weight, getattr(head, "bias", None)):
+        if isinstance(param, torch.nn.Parameter):
+            deepspeed.zero.register_external_parameter(model, param)
     return True
 
 

@@ -103,3 +103,20 @@ def test_shift_labels_eval_mode_and_refusals():
         use_chunked_loss(torch.nn.Linear(2, 2))
     with pytest.raises(ValueError, match="labels or shift_labels"):
         chunked_causal_lm_loss(hidden, head)
+
+
+def test_the_head_is_shared_with_the_model_for_zero3():
+    """The chunked loss reads the head's weight and bias, not the head module (the number of chunks differs between
+    ranks; ZeRO-3 would gather per call): both are external parameters of the model, so ZeRO-3 fetches them with the
+    model's forward and backward, once per microbatch; a head that is not a Linear is refused at the call."""
+    model = _model(tied=False)
+    model.lm_head = torch.nn.Linear(32, 157, bias=True)
+    use_chunked_loss(model, chunk_tokens=5)
+    shared = {id(p) for _, p in model.ds_external_parameters()}
+    assert shared == {id(model.lm_head.weight), id(model.lm_head.bias)}, shared
+    calls = []
+    model.lm_head.register_forward_pre_hook(lambda *_: calls.append(1))
+    model(**_row()).loss.backward()
+    assert calls == [] and model.lm_head.bias.grad is not None  # read, never called; the bias trained too
+    with pytest.raises(ValueError, match="must be a torch.nn.Linear"):
+        chunked_causal_lm_loss(torch.randn(1, 3, 32), torch.nn.Sequential(model.lm_head), torch.zeros(1, 3).long())
