@@ -340,10 +340,10 @@ def ratio(runs: dict[str, list[dict]], mode: str, base: str) -> float:
 def print_replays(results: dict[str, dict], calibrate_on: str | None = None) -> None:
     """The simulator's step time for each mode's (median) run beside the measured one
     (:func:`ds_odc.balancer.simulate.replay_run`: its minibatches in order, its planner and sync, its own cost fit),
-    and, in the last column, its prediction with the cost fitted to ``calibrate_on``'s run instead (default: the
-    first mode that replays): one mode's measured costs predicting the others' step times."""
+    and, in the column before the costs, its prediction with the cost fitted to ``calibrate_on``'s run instead
+    (default: the first mode that replays): one mode's measured costs predicting the others' step times."""
     print("\nsimulator replaying each run (its minibatches, planner and sync; cost fitted to its own timed steps, "
-          "and in the next to last column to one mode's run for all)")
+          "and in the column before the costs to one mode's run for all)")
     replays, errors = {}, {}
     for mode, r in results.items():
         try:
@@ -394,8 +394,8 @@ def main():
                    help="the balancer cost of every mode (default auto: refitted from each run's measured busy times)")
     p.add_argument("--cost-coeffs", help="A,B,C for --cost fitted (e.g. the per-microbatch overhead measured here)")
     p.add_argument("--calibrate-on", metavar="MODE",
-                   help="the run whose fitted cost the simulator table's last column predicts every mode with "
-                        "(default: the first mode that ran)")
+                   help="the run whose fitted cost the simulator table prices every mode with, in the column "
+                        "before the costs (default: the first mode that ran)")
     p.add_argument("--sdpa-backends", help="passed to every mode (examples/sft.py --sdpa-backends)")
     p.add_argument("--profile", action="store_true",
                    help="run one more minibatch under the torch profiler (not timed): host vs device time per layer")

@@ -28,6 +28,7 @@ import torch
 import ds_odc  # noqa: F401  (installs the odc config key before any engine is built)
 from _support.launch import emit
 from ds_odc.training.distributed import shutdown_and_exit
+from ds_odc.training.loss import use_chunked_loss
 
 sys.path.insert(0, os.path.dirname(__file__))
 from _workload import ds_config, full_params, max_rel_diff, minibatch, reference_run, rel_diff, tiny_llama  # noqa: E402
@@ -94,7 +95,6 @@ def drop_in(engine, steps: int, offset: int = 0, delay: float = 0.0, counted: Co
 
 def check_equal_and_delay(args) -> dict:
     rank, world = rank_world()
-    from ds_odc.training.loss import use_chunked_loss
     lockstep = {"enabled": True, "lockstep": True, "timeout_s": 120}
     stock = build(use_chunked_loss(tiny_llama(), CHUNK), ds_config(None, gas=GAS, optimizer="sgd"))
     stock_losses, _ = drop_in(stock, STEPS)
