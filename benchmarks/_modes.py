@@ -8,7 +8,6 @@ from __future__ import annotations
 import json
 import os
 import shutil
-import subprocess
 import sys
 import tempfile
 import time
@@ -16,6 +15,8 @@ from pathlib import Path
 from typing import Callable, Sequence
 
 ROOT = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(ROOT))
+from ds_odc.training.launch import run_launch  # noqa: E402
 
 __all__ = ["ROOT", "model_folder", "save_random_model", "run_modes", "run_modes_on_random_model", "finish_worker",
            "adapters_in_model_dtype"]
@@ -73,14 +74,10 @@ def run_modes(script: str, modes: Sequence[str], worker_args: Sequence[str], *, 
                "--worker", mode, *worker_args]
         started = time.perf_counter()
         result = out / result_file(mode)
-        try:
-            with tempfile.TemporaryDirectory(prefix="ds_odc_bench_") as scratch:  # torchrun's logs, datasets' caches
-                proc = subprocess.run(cmd, capture_output=True, text=True, timeout=timeout,
-                                      env={**env, "TMPDIR": scratch})
-            ok = proc.returncode == 0 and result.exists()
-            tail = (proc.stdout + proc.stderr)[-tail_chars:]
-        except subprocess.TimeoutExpired:
-            ok, tail = False, f"timed out after {timeout} s"
+        with tempfile.TemporaryDirectory(prefix="ds_odc_bench_") as scratch:  # torchrun's logs, datasets' caches
+            finished = run_launch(cmd, timeout=timeout, env={**env, "TMPDIR": scratch})
+        ok = finished.returncode == 0 and result.exists()
+        tail = finished.output[-tail_chars:] + ("" if ok else f"\nthe launch {finished.describe(timeout)}")
         results[mode] = json.loads(result.read_text()) if ok else {"mode": mode, "failed": tail}
         if not ok:
             print(f"{mode}: FAILED\n{tail}", flush=True)

@@ -88,6 +88,7 @@ ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 from ds_odc.balancer.presets import get_preset, longtail_from_normals  # noqa: E402
 from ds_odc.balancer.simulate import replay_run  # noqa: E402
+from ds_odc.training.launch import run_launch  # noqa: E402
 
 MODES = {
     "stock+local-sort": ("sft", "zero3_bf16.json", "local-sort"),
@@ -299,14 +300,15 @@ def run(mode: str, args, lengths: Path, out: Path, round_: int = 0) -> dict:
     started = time.monotonic()
     partition_env = getattr(args, "partition_env", None) or {}
     # TMPDIR: torchrun's log folder goes into a temporary folder of this launch, removed afterwards
-    with open(log, "w") as f, tempfile.TemporaryDirectory(prefix="ds_odc_e2e_") as scratch:
-        proc = subprocess.run(cmd, stdout=f, stderr=subprocess.STDOUT, timeout=args.run_timeout,
+    with tempfile.TemporaryDirectory(prefix="ds_odc_e2e_") as scratch:
+        finished = run_launch(cmd, timeout=args.run_timeout, log=log,
                               env=dict(os.environ, **partition_env, TMPDIR=scratch, PYTHONPATH=os.pathsep.join(
                                   p for p in [str(root), os.environ.get("PYTHONPATH", "")] if p)))
-    if proc.returncode != 0 or not metrics.exists():
+    if finished.returncode != 0 or not metrics.exists():
         text = log.read_text()
         errors = "\n".join(line for line in text.splitlines() if "Error" in line and "elastic" not in line)[-2500:]
-        print(f"  {mode} FAILED (rc={proc.returncode}); errors in {log}:\n{errors or text[-2500:]}", flush=True)
+        print(f"  {mode} FAILED: the launch {finished.describe(args.run_timeout, '--run-timeout')}; errors in {log}:\n"
+              f"{errors or text[-2500:]}", flush=True)
         return {"mode": mode, "failed": True}
     written = json.loads(metrics.read_text())
     result = written["summary"]
@@ -457,13 +459,20 @@ def main():
 
 def run_modes(modes: list[str], args, lengths: Path, out: Path) -> dict[str, list[dict]]:
     started, runs = time.monotonic(), {mode: [] for mode in modes}
-    for round_ in range(args.repeat):
-        for mode in modes:
-            if time.monotonic() - started > args.budget_s:
-                print(f"  {mode}: skipped (time budget)", flush=True)
-                runs[mode].append({"mode": mode, "failed": True})
-                continue
-            runs[mode].append(run(mode, args, lengths, out, round_))
+    try:
+        for round_ in range(args.repeat):
+            for mode in modes:
+                if time.monotonic() - started > args.budget_s:
+                    print(f"  {mode}: skipped (time budget)", flush=True)
+                    runs[mode].append({"mode": mode, "failed": True})
+                    continue
+                runs[mode].append(run(mode, args, lengths, out, round_))
+    except KeyboardInterrupt:  # Ctrl-C, or a time limit around the call: the tables still show what finished
+        print("  interrupted: the launch in progress was stopped with its ranks; what did not finish is left out",
+              flush=True)
+        for mode, done in runs.items():
+            if not done:
+                done.append({"mode": mode, "failed": True})
     return runs
 
 

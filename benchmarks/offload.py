@@ -40,7 +40,6 @@ import dataclasses
 import json
 import os
 import resource
-import subprocess
 import sys
 import tempfile
 import time
@@ -51,6 +50,7 @@ import torch
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 from ds_odc.balancer.presets import longtail_from_normals  # noqa: E402
+from ds_odc.training.launch import run_launch  # noqa: E402
 
 MODES = {"stock": "zero3_bf16.json", "odc": "zero3_odc_bf16.json"}
 PHASES = ("copy_out", "optimizer", "copy_back")
@@ -147,13 +147,14 @@ def run(mode: str, args, lengths: Path, out: Path) -> dict | None:
            "--deepspeed", str(config), "--quiet"] + (["--num-layers", str(args.num_layers)] if args.num_layers else [])
     log = out / f"{args.model}-{mode}.log"
     started = time.monotonic()
-    with open(log, "w") as f, tempfile.TemporaryDirectory(prefix="ds_odc_offload_") as scratch:
-        proc = subprocess.run(cmd, stdout=f, stderr=subprocess.STDOUT, timeout=args.run_timeout,
+    with tempfile.TemporaryDirectory(prefix="ds_odc_offload_") as scratch:
+        finished = run_launch(cmd, timeout=args.run_timeout, log=log,
                               env=dict(os.environ, TMPDIR=scratch, **shared_gpu_env(args.nproc),
                                        PYTHONPATH=os.pathsep.join(
                                            p for p in [str(ROOT), os.environ.get("PYTHONPATH", "")] if p)))
-    if proc.returncode != 0 or not report.exists():
-        print(f"  {mode} FAILED (rc={proc.returncode}); log tail:\n{log.read_text()[-2500:]}", flush=True)
+    if finished.returncode != 0 or not report.exists():
+        print(f"  {mode} FAILED: the launch {finished.describe(args.run_timeout, '--run-timeout')}; log tail:\n"
+              f"{log.read_text()[-2500:]}", flush=True)
         return None
     result = read_report(report)
     print(f"  {mode}: {result['samples_per_s']:.3f} samples/s, peak device {result['peak_device'] / GIB:.1f} GiB, "
@@ -251,7 +252,13 @@ def main():
     lengths = out / "lengths-longtail.txt"
     write_lengths(args.steps, args.nproc, lengths, args.scale)
     print(f"# {' '.join(sys.argv)}", flush=True)
-    results = {mode: run(mode, args, lengths, out) for mode in args.modes.split(",")}
+    results = {mode: None for mode in args.modes.split(",")}
+    try:
+        for mode in results:
+            results[mode] = run(mode, args, lengths, out)
+    except KeyboardInterrupt:  # Ctrl-C, or a time limit around the call: the table still shows what finished
+        print("  interrupted: the launch in progress was stopped with its ranks; what did not finish shows as failed",
+              flush=True)
     print_table(results, args)
 
 

@@ -37,6 +37,9 @@ import time
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(ROOT))
+from ds_odc.training.launch import run_launch  # noqa: E402
+
 NO_MULTICAST = {"NVSHMEM_DISABLE_NVLS": "1", "NCCL_NVLS_ENABLE": "0", "TORCH_SYMM_MEM_DISABLE_MULTICAST": "1"}
 
 
@@ -251,13 +254,9 @@ def run_config(name: str, nproc: int, out: Path, env: dict, extra: list[str], ti
     cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={nproc}", __file__,
            "--worker", "--out", str(folder), *extra]
     started = time.perf_counter()
-    try:
-        proc = subprocess.run(cmd, env={**os.environ, **NO_MULTICAST, **env}, capture_output=True, text=True,
-                              timeout=timeout)
-        log = proc.stdout[-3000:] + proc.stderr[-6000:]
-        rc = proc.returncode
-    except subprocess.TimeoutExpired as err:
-        log, rc = f"timed out after {timeout} s\n{(err.stderr or b'')[-4000:]!r}", -9
+    finished = run_launch(cmd, env={**os.environ, **NO_MULTICAST, **env}, timeout=timeout)
+    log = finished.output[-9000:] + ("" if finished.returncode == 0 else f"\nthe launch {finished.describe(timeout)}")
+    rc = -9 if finished.timed_out else finished.returncode
     (out / f"{name}.log").write_text(log)
     ranks = [json.loads(p.read_text()) for p in sorted(folder.glob("rank*.json"))]
     return {"name": name, "nproc": nproc, "rc": rc, "seconds": time.perf_counter() - started, "ranks": ranks,

@@ -35,11 +35,12 @@ import json
 import os
 import random
 import statistics
-import subprocess
 import sys
 import tempfile
 import time
 from pathlib import Path
+
+from ds_odc.training.launch import run_launch
 
 ROOT = Path(__file__).resolve().parent.parent
 MODES = [  # (label, ds_config, balancer, loop: the recipe's own, or DeepSpeed's over the balancer key's loader)
@@ -159,12 +160,11 @@ def launch(args, tmp: Path) -> dict:
     env = dict(os.environ, OMP_NUM_THREADS="1", GLOO_SOCKET_IFNAME="lo", MASTER_ADDR="127.0.0.1",
                DS_ACCELERATOR="cpu", PYTHONWARNINGS="ignore", TMPDIR=str(tmp),
                PYTHONPATH=os.pathsep.join(p for p in [str(ROOT), os.environ.get("PYTHONPATH", "")] if p))
-    proc = subprocess.run(cmd, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
-                          timeout=args.timeout)
-    sys.stdout.write("".join(line + "\n" for line in proc.stdout.splitlines() if line.startswith("running ")))
-    if proc.returncode != 0 or not result.exists():
-        sys.stderr.write(proc.stdout[-3000:] + proc.stderr[-6000:])
-        raise SystemExit(f"the training launch failed (rc={proc.returncode})")
+    finished = run_launch(cmd, env=env, timeout=args.timeout)
+    sys.stdout.write("".join(line + "\n" for line in finished.output.splitlines() if line.startswith("running ")))
+    if finished.returncode != 0 or not result.exists():
+        sys.stderr.write(finished.output[-9000:])
+        raise SystemExit(f"the training launch failed: it {finished.describe(args.timeout, '--timeout')}")
     return json.loads(result.read_text())
 
 
