@@ -18,8 +18,9 @@ of the SMs (a bf16 matrix product at 1/2 and 1/4 of an H100's SMs ran at 0.49 an
 the other partitions busy), and waits for the others as it would on its own GPU. The GPU's power budget, memory
 bandwidth, L2 cache and copy engines stay shared: a partition whose neighbours idle runs at a higher clock (0.65 and
 0.36 of the whole GPU's rate alone), so a rank that runs while others wait is helped, which shortens exactly the
-waits ODC removes: partitions understate the gain of meeting less. One-sided traffic between ranks stays on the
-device instead of crossing NVLink.
+waits ODC removes. Yet ranks with the same work drift apart on partitions (a lock-step run on equal lengths waited
+11% of its time), which lengthens them; how much of either separate GPUs show is not measured. One-sided traffic
+between ranks stays on the device instead of crossing NVLink.
 """
 
 from __future__ import annotations
