@@ -455,6 +455,10 @@ def main():
                   flush=True)
         runs = run_modes(modes, args, lengths, out)
     report(runs, args, out)
+    failed = [mode for mode, done in runs.items() if any(r.get("failed") for r in done)]
+    if failed:
+        raise SystemExit(f"e2e: {len(failed)} of {len(runs)} modes failed or did not run in some round: "
+                         f"{', '.join(failed)} (their messages are above; the tables show the rest)")
 
 
 def run_modes(modes: list[str], args, lengths: Path, out: Path) -> dict[str, list[dict]]:

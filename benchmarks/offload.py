@@ -260,6 +260,9 @@ def main():
         print("  interrupted: the launch in progress was stopped with its ranks; what did not finish shows as failed",
               flush=True)
     print_table(results, args)
+    failed = [mode for mode, result in results.items() if result is None]
+    if failed:
+        raise SystemExit(f"offload: {', '.join(failed)} failed or did not run (the messages are above)")
 
 
 if __name__ == "__main__":

@@ -197,6 +197,30 @@ def test_e2e_benchmark_pipeline_on_cpu(tmp_path):
     assert fit.returncode == 0 and "--cost fitted --cost-coeffs" in fit.stdout, fit.stdout + fit.stderr
 
 
+def test_e2e_stops_a_mode_past_its_time_with_its_ranks_and_says_so(tmp_path):
+    """A mode that runs past ``--run-timeout`` is stopped with every rank it started (not only torchrun), the call
+    names it and its limit, still runs the next mode and prints the table, and exits non-zero."""
+    out = tmp_path / "e2e"
+    cmd = [sys.executable, str(ROOT / "benchmarks" / "e2e.py"), "--model", "tiny", "--workload", "longtail",
+           "--scale", "0.01", "--steps", "2", "--modes", "odc+lb-mini,odc+lb-micro", "--run-timeout", "4",
+           "--out", str(out)]
+    proc = subprocess.run(cmd, env=cpu_env(), capture_output=True, text=True, timeout=300)
+    assert proc.returncode != 0, proc.stdout[-3000:]
+    for mode in ("odc+lb-mini", "odc+lb-micro"):  # both tried: the first one's timeout did not end the call
+        assert f"{mode} FAILED: the launch ran past its time limit of 4 s (--run-timeout)" in proc.stdout, proc.stdout
+    assert "tiny / longtail" in proc.stdout and "2 of 2 modes failed" in proc.stderr
+    left = []  # processes whose command line names this call's folder (the ranks do), zombies aside
+    for stat in Path("/proc").glob("[0-9]*/stat"):
+        try:
+            cmdline = (stat.parent / "cmdline").read_bytes().replace(b"\0", b" ").decode(errors="replace")
+            state = stat.read_text().rsplit(")", 1)[-1].split()[0]
+        except OSError:
+            continue
+        if str(out) in cmdline and state != "Z":
+            left.append(cmdline)
+    assert not left, f"ranks outlived their launch: {left}"
+
+
 def test_packed_table_and_attention_benchmark_on_cpu(tmp_path):
     """The longtail-packed table at CPU scale on 1 rank (ODC packed and unpacked, plain training): every mode runs,
     the table and profile print with each mode beside plain training on the same rows, and packed rows train the same losses as one sample per microbatch (attention and
