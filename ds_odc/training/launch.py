@@ -37,10 +37,12 @@ class Finished:
         return self.returncode is None
 
     def describe(self, timeout: float | None, option: str = "") -> str:
-        """How it ended, for a message; ``option``: the setting that holds the time limit."""
+        """How a launch that failed ended, for a message; ``option``: the setting that holds the time limit."""
         if self.timed_out:
             return (f"ran past its time limit of {timeout:g} s{f' ({option})' if option else ''} and was stopped "
                     "with all its ranks; raise the limit if it was still making progress")
+        if self.returncode == 0:
+            return "exited with status 0 but wrote no result"
         return f"exited with status {self.returncode}"
 
 

@@ -60,3 +60,4 @@ def test_a_launch_that_finishes_returns_its_status_and_output():
     finished = run_launch([sys.executable, "-c", "print('hello'); raise SystemExit(3)"], timeout=60)
     assert (finished.returncode, finished.output.strip(), finished.timed_out) == (3, "hello", False)
     assert finished.describe(60) == "exited with status 3"
+    assert run_launch([sys.executable, "-c", "pass"], timeout=60).describe(60).endswith("but wrote no result")
