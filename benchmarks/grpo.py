@@ -46,8 +46,9 @@ and compares ODC + LB-Mini with its lock-step baseline on equal counts, the mode
 
 Per optimizer step after ``--warmup`` steps: the step's wall time (first microbatch to the end of the optimizer step,
 device synchronised), the rollout's time inside it, and the training phase (step less rollout: scoring, old /
-reference log-probs, re-planning, forward, backward, optimizer step). Peak memory is ``max_memory_allocated`` over
-the timed steps. The table is printed last and written to ``DIR/grpo.md`` (numbers in ``DIR/grpo.json``).
+reference log-probs, re-planning, forward, backward, optimizer step). Waits: at more than one rank, the ranks' mean
+share of the timed steps spent waiting for each other (ODC's fence before the optimizer step; with the lock-step
+baseline also its per-block meetings). Peak memory is ``max_memory_allocated`` over the timed steps. The table is printed last and written to ``DIR/grpo.md`` (numbers in ``DIR/grpo.json``).
 """
 
 from __future__ import annotations
@@ -262,6 +263,10 @@ def run_worker(args) -> dict:
         def on_step_end(self, *a, **k):
             sync()
             self.steps.append({"step_s": time.perf_counter() - self.started, "rollout_s": clock["rollout"]})
+            if odc:  # this rank's waits for the others in the step: ODC's fence, and lock-step's meetings on the device
+                from ds_odc.zero.engine import lockstep_waits, wait_seconds
+                engine = self.trainer.model_wrapped
+                self.steps[-1]["wait_s"] = wait_seconds(engine) + (lockstep_waits(engine) or 0.0)
             if kernels != "eager":  # dynamo's frames compiled so far: those of a timed step count in its time
                 from ds_odc.training.compile import compile_counts
                 self.steps[-1]["frames_compiled"] = compile_counts().frames
@@ -278,7 +283,7 @@ def run_worker(args) -> dict:
     if mode.startswith("lockstep"):
         kwargs["balancer_planner"] = "lb-micro"
     timer = StepTimer()
-    trainer = cls(model, callbacks=[timer], peft_config=lora_config(args.lora), **kwargs)
+    trainer = timer.trainer = cls(model, callbacks=[timer], peft_config=lora_config(args.lora), **kwargs)
     if args.lora and mode == PLAIN:
         adapters_in_model_dtype(trainer.model)
     apply_grpo_kernels(trainer.model, kernels, args.compile_backend)
@@ -298,6 +303,11 @@ def run_worker(args) -> dict:
         result["compile"] = compile_counts().as_dict()
         before = timer.steps[args.warmup - 1]["frames_compiled"] if 0 < args.warmup < len(timer.steps) else 0
         result["compile"]["compiled_while_timed"] = timer.steps[-1]["frames_compiled"] - before
+    if odc and world > 1:  # the ranks' mean share of the timed steps spent waiting for each other
+        share = sum(t.get("wait_s", 0.0) for t in timed) / sum(t["step_s"] for t in timed)
+        share = torch.tensor([share], device="cuda" if on_gpu else "cpu", dtype=torch.float64)
+        dist.all_reduce(share)
+        result["wait_share"] = float(share) / world
     result["completion_tokens"] = sum(sum(completion_lengths(args, s)) for s in range(args.steps)) / args.steps
     if on_gpu:
         peak = torch.tensor([torch.cuda.max_memory_allocated() / 2**30], device="cuda")
@@ -363,15 +373,16 @@ def report(results: dict, args) -> str:
              + (f", LoRA adapters of rank {args.lora} (base model frozen)" if args.lora else "")
              + f"; means over {args.steps - args.warmup} timed steps", "",
              f"| mode | training s/step | training vs {base_name} | " + ("training vs plain | " if plain else "")
-             + f"training vs eager | step s | step vs {base_name} | rollout s | peak GiB | microbatches per rank |",
-             "|---|---|---|---|---|---|---|---|---|" + ("---|" if plain else "")]
+             + f"training vs eager | step s | step vs {base_name} | rollout s | waits | peak GiB | microbatches per rank |",
+             "|---|---|---|---|---|---|---|---|---|---|" + ("---|" if plain else "")]
     for mode, r in results.items():
         if "failed" in r:
-            lines.append(f"| {mode} | failed |" + " |" * (8 if plain else 7))
+            lines.append(f"| {mode} | failed |" + " |" * (9 if plain else 8))
             continue
         speed = lambda key, base=stock: (f"{base[key] / r[key]:.2f}x" if key in base and r[key] > 0  # noqa: E731
                                          else "-")
         peak = f"{r['peak_gib']:.1f}" if "peak_gib" in r else "-"
+        waits = f"{r['wait_share']:.1%}" if "wait_share" in r else "-"
         counts = r["microbatches"][args.warmup:] or r["microbatches"]  # stock: its accumulation steps
         per_rank = ("/".join(f"{sum(c[k] for c in counts) / len(counts):.1f}" for k in range(r["ranks"])) if counts
                     else str(args.prompts * args.generations // (args.ranks * args.per_device_batch)))
@@ -380,7 +391,7 @@ def report(results: dict, args) -> str:
                     and r["training_s"] > 0 else "-")
         vs_plain = f"{speed('training_s', plain)} | " if plain else ""
         lines.append(f"| {mode} | {r['training_s']:.2f} | {speed('training_s')} | {vs_plain}{vs_eager} | "
-                     f"{r['step_s']:.2f} | {speed('step_s')} | {r['rollout_s']:.2f} | {peak} | {per_rank} |")
+                     f"{r['step_s']:.2f} | {speed('step_s')} | {r['rollout_s']:.2f} | {waits} | {peak} | {per_rank} |")
     lines.append("")
     for mode, r in results.items():
         if r.get("compile"):

@@ -37,6 +37,23 @@ def test_grpo_benchmark_on_cpu(tmp_path):
     assert table.count("x |") >= 12 and "command: python benchmarks/grpo.py" in table, table
 
 
+def test_grpo_lockstep_baseline_and_waits_on_cpu(tmp_path):
+    """The partitions' pair at two ranks: ODC's lock-step baseline (equal counts, per-block meetings) trains the same
+    losses as ODC + lb-mini, and both report how much of their steps the ranks spent waiting for each other."""
+    pytest.importorskip("trl")
+    cmd = [sys.executable, str(ROOT / "benchmarks" / "grpo.py"), "--out", str(tmp_path), "--model", "tiny",
+           "--ranks", "2", "--modes", "odc-packed,lockstep-packed", "--steps", "2", "--mode-timeout", "240"]
+    proc = subprocess.run(cmd, env=cpu_env(), capture_output=True, text=True, timeout=600)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    results = json.loads((tmp_path / "grpo.json").read_text())
+    odc, lockstep = results["odc-packed"], results["lockstep-packed"]
+    for r in (odc, lockstep):
+        assert 0.0 <= r["wait_share"] < 1.0 and all("wait_s" in step for step in r["steps"]), r
+    assert all(abs(a - b) <= 1e-5 * max(abs(b), 1.0) for a, b in zip(lockstep["loss"], odc["loss"], strict=True))
+    table = (tmp_path / "grpo.md").read_text()
+    assert f"| {lockstep['wait_share']:.1%} |" in table, table
+
+
 def test_grpo_benchmark_refuses_plain_on_several_ranks(tmp_path):
     cmd = [sys.executable, str(ROOT / "benchmarks" / "grpo.py"), "--out", str(tmp_path), "--model", "tiny",
            "--modes", "stock,plain/compiled", "--ranks", "2"]
