@@ -48,7 +48,8 @@ Per optimizer step after ``--warmup`` steps: the step's wall time (first microba
 device synchronised), the rollout's time inside it, and the training phase (step less rollout: scoring, old /
 reference log-probs, re-planning, forward, backward, optimizer step). Waits: at more than one rank, the ranks' mean
 share of the timed steps spent waiting for each other (ODC's fence before the optimizer step; with the lock-step
-baseline also its per-block meetings). Peak memory is ``max_memory_allocated`` over the timed steps. The table is printed last and written to ``DIR/grpo.md`` (numbers in ``DIR/grpo.json``).
+baseline also its per-block meetings). Peak memory is ``max_memory_allocated`` over the timed steps. The table is
+printed last and written to ``DIR/grpo.md`` (numbers in ``DIR/grpo.json``).
 """
 
 from __future__ import annotations
@@ -373,7 +374,8 @@ def report(results: dict, args) -> str:
              + (f", LoRA adapters of rank {args.lora} (base model frozen)" if args.lora else "")
              + f"; means over {args.steps - args.warmup} timed steps", "",
              f"| mode | training s/step | training vs {base_name} | " + ("training vs plain | " if plain else "")
-             + f"training vs eager | step s | step vs {base_name} | rollout s | waits | peak GiB | microbatches per rank |",
+             + f"training vs eager | step s | step vs {base_name} | rollout s | waits | peak GiB | "
+             "microbatches per rank |",
              "|---|---|---|---|---|---|---|---|---|---|" + ("---|" if plain else "")]
     for mode, r in results.items():
         if "failed" in r:

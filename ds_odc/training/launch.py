@@ -30,7 +30,6 @@ class Finished:
     """The launch's exit status; None when it ran past its time and was ended."""
     output: str
     """What it printed (stdout and stderr together); empty when it was written to a log file instead."""
-    seconds: float
 
     @property
     def timed_out(self) -> bool:
@@ -46,7 +45,7 @@ class Finished:
         return f"exited with status {self.returncode}"
 
 
-def end_group(proc: subprocess.Popen, grace_s: float = 10.0) -> None:
+def _end_group(proc: subprocess.Popen, grace_s: float = 10.0) -> None:
     """End ``proc``'s process group (the launch and every rank it started): SIGTERM, then SIGKILL to whatever is
     still there after ``grace_s`` seconds."""
     for sig, wait_s in ((signal.SIGTERM, grace_s), (signal.SIGKILL, 5.0)):
@@ -73,8 +72,7 @@ def run_launch(cmd: Sequence[str], *, timeout: float | None, env: Mapping[str, s
                log: str | Path | None = None, grace_s: float = 10.0) -> Finished:
     """Run ``cmd`` in a process group of its own and wait for it, at most ``timeout`` seconds (None: no limit).
     Its output goes to ``log`` when given, else it is returned. Past the limit, or when this process is interrupted
-    (KeyboardInterrupt, re-raised), the whole group is ended (:func:`end_group`)."""
-    started = time.monotonic()
+    (KeyboardInterrupt, re-raised), the whole group is ended (``_end_group``)."""
     sink = open(log, "w") if log is not None else None
     try:
         proc = subprocess.Popen(list(cmd), stdout=sink or subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
@@ -83,18 +81,18 @@ def run_launch(cmd: Sequence[str], *, timeout: float | None, env: Mapping[str, s
             out, _ = proc.communicate(timeout=timeout)
             returncode = proc.returncode
         except subprocess.TimeoutExpired:
-            end_group(proc, grace_s)
+            _end_group(proc, grace_s)
             try:  # what it printed before; a process that left the group could hold the pipe open
                 out, _ = proc.communicate(timeout=10)
             except subprocess.TimeoutExpired:
                 out = ""
             returncode = None
         except BaseException:
-            end_group(proc, grace_s)
+            _end_group(proc, grace_s)
             raise
         if returncode is not None:  # a rank that outlived its launcher (one that crashed) is an orphan now
             _signal_group(proc.pid, signal.SIGKILL)
     finally:
         if sink is not None:
             sink.close()
-    return Finished(returncode, out or "", time.monotonic() - started)
+    return Finished(returncode, out or "")
