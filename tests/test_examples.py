@@ -164,8 +164,10 @@ def test_e2e_benchmark_pipeline_on_cpu(tmp_path):
            "--scale", "0.01", "--steps", "3", "--modes", ",".join(modes), "--profile", "--compare-to", "odc+lb-mini",
            "--out", str(out), "--run-timeout", "240"]
     proc = subprocess.run(cmd, env=cpu_env(), capture_output=True, text=True, timeout=800)
-    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
-    assert "FAILED" not in proc.stdout, proc.stdout[-3000:]
+    failed_at = proc.stdout.find(" FAILED")  # a failed mode's own message, which the tables' tail would not show
+    failure = proc.stdout[failed_at:failed_at + 4000] if failed_at >= 0 else proc.stdout[-3000:]
+    assert proc.returncode == 0, failure + proc.stderr[-3000:]
+    assert "FAILED" not in proc.stdout, failure
     table = proc.stdout[proc.stdout.index("tiny / longtail"):]
     for mode in modes:
         assert mode in table
