@@ -23,7 +23,9 @@ torchrun launch; the table compares samples/s measured in this one call (ratios,
 over between machines). Every mode is compared like for like: with FSDP2 and with plain training on the same rows
 (packed with packed, unpacked with unpacked, the same attention), when those ran in the call. A second table puts
 the simulator beside every run: its step time predicted from the run's own minibatches, planner and sync, with the
-cost fitted to the run's timed steps (``ds_odc.balancer.simulate.replay_run``). On a machine without CUDA (smoke
+cost fitted to the run's timed steps (``ds_odc.balancer.simulate.replay_run``), and the balance bound of those
+minibatches at that cost: a baseline's measured/bound is the most any whole-sample plan could gain over it at its own
+speed. On a machine without CUDA (smoke
 runs with ``--model tiny``) every mode computes in fp32, as FSDP2 and plain training do there: the DeepSpeed modes
 get their config with ``bf16`` off.
 
@@ -357,11 +359,11 @@ def print_replays(results: dict[str, dict], calibrate_on: str | None = None) -> 
     if calibrate_on and base != calibrate_on:
         print(f"(--calibrate-on {calibrate_on}: no replayed run of that mode in this call; priced with {base}'s)")
     cross = f"with {base}'s cost" if base else ""
-    print(f"{'mode':<34}{'measured s/step':>16}{'predicted':>11}{'predicted/measured':>20}{cross:>{len(cross) + 3}}"
-          "   own cost")
+    print(f"{'mode':<34}{'measured s/step':>16}{'predicted':>11}{'predicted/measured':>20}{'bound':>8}"
+          f"{'measured/bound':>16}{cross:>{len(cross) + 3}}   own cost")
     for mode in results:
         if mode in errors:
-            print(f"{mode:<34}{'-':>16}{'-':>11}{'-':>20}   not replayed: {errors[mode]}")
+            print(f"{mode:<34}{'-':>16}{'-':>11}{'-':>20}{'-':>8}{'-':>16}   not replayed: {errors[mode]}")
             continue
         metrics, replay = replays[mode]
         n, cost = replay["steps"], replay["cost"]
@@ -371,8 +373,12 @@ def print_replays(results: dict[str, dict], calibrate_on: str | None = None) -> 
         except (KeyError, ValueError):
             other = "-"
         print(f"{mode:<34}{replay['measured_s'] / n:>16.3f}{replay['predicted_s'] / n:>11.3f}"
-              f"{replay['ratio']:>19.2f}x{other:>{len(cross) + 3}}   {cost['source']}: a={cost['a']:.3g} "
-              f"b={cost['b']:.3g} c={cost['c']:.3g} d={cost['d']:.3g}")
+              f"{replay['ratio']:>19.2f}x{replay['bound_s'] / n:>8.3f}{replay['measured_s'] / replay['bound_s']:>15.2f}x"
+              f"{other:>{len(cross) + 3}}   {cost['source']}: a={cost['a']:.3g} b={cost['b']:.3g} c={cost['c']:.3g} "
+              f"d={cost['d']:.3g}")
+    print("bound: the balance bound of the run's own minibatches at its own cost (its fitted speed): no plan that "
+          "trains every sample whole on one rank finishes them sooner; measured/bound is the most any such plan, "
+          "ODC's included, could gain over this run without computing faster")
 
 
 def main():

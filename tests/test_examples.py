@@ -188,7 +188,9 @@ def test_e2e_benchmark_pipeline_on_cpu(tmp_path):
     assert re.search(r"with \S+'s cost", replays), replays  # every run also priced by one mode's fit
     for mode in ("stock-blocks+lb-micro", "odc+lb-mini", "fsdp2"):  # each run priced by its own fit and replayed
         row = next(line for line in replays.splitlines() if line.startswith(mode + " "))
-        assert re.search(r"\d\.\d\dx\s+\d\.\d\dx   fit of the run's timed rank-steps", row), row
+        # predicted/measured, the balance bound (s/step) and measured/bound, the cross-priced ratio, the own fit
+        assert re.search(r"\d\.\d\dx\s+\d+\.\d{3}\s+\d+\.\d\dx\s+\d\.\d\dx   fit of the run's timed rank-steps",
+                         row), row
     odc = json.loads((out / "tiny-longtail-odc+lb-mini.json").read_text())
     assert len(odc["steps"]) == 4 and odc["config"]["profile_step"] == 3
     assert odc["profile_rank0"]["layer_forward_calls"] > 0

@@ -321,8 +321,10 @@ def replay_run(metrics: dict, lengths: Sequence[int] | None = None, warmup_steps
     every rank at once), with the cost fitted to the run's own timed rank-steps (:mod:`ds_odc.balancer.fit`; the cost
     the run had fitted itself when there are too few rank-steps), its per-step term added to every step; or with
     ``cost`` (``{"a", "b", "c", "d"}``, e.g. another run's replay's ``"cost"``): a prediction of this run from what
-    was measured elsewhere. Returns ``{"predicted_s", "measured_s", "ratio", "steps", "cost"}``, totals over the
-    timed steps; ratio = predicted / measured. Raises ValueError when the run cannot be replayed."""
+    was measured elsewhere. Returns ``{"predicted_s", "measured_s", "ratio", "bound_s", "steps", "cost"}``, totals
+    over the timed steps; ratio = predicted / measured; bound_s: the balance bound of the same minibatches at the same
+    cost (no plan that trains every sample whole on one rank finishes them sooner), so measured / bound is the most any
+    such plan could gain over this run at this run's own speed. Raises ValueError when the run cannot be replayed."""
     from .fit import automatic_cost, fit, rank_steps
 
     config = metrics.get("config") or {}
@@ -355,7 +357,8 @@ def replay_run(metrics: dict, lengths: Sequence[int] | None = None, warmup_steps
     planner = config["balancer"]
     runtime = None if "odc" not in config else "odc" if config["odc"] and not config.get("lockstep") else "collective"
     profiled = config.get("profile_step")
-    predicted = measured = 0.0
+    predicted = measured = bound = 0.0
+    machine = Machine(cost)
     timed = [i for i in range(len(metrics["steps"])) if i >= warmup and i != profiled]
     for i in timed:
         minibatch = pool[i * per_step:(i + 1) * per_step]
@@ -364,9 +367,10 @@ def replay_run(metrics: dict, lengths: Sequence[int] | None = None, warmup_steps
         result = simulate_step(minibatch, ranks, config.get("max_tokens") or None, cost, [planner], "truncate",
                                runtime=runtime)
         predicted += result[planner].step_time + d
+        bound += balance_bound(minibatch, ranks, config.get("max_tokens") or None, "truncate", machine)[1] + d
         measured += float(metrics["steps"][i]["step_time_s"])
     return {"predicted_s": predicted, "measured_s": measured, "ratio": predicted / measured if measured else math.nan,
-            "steps": len(timed), "cost": {"a": a, "b": b, "c": c, "d": d, "source": source}}
+            "bound_s": bound, "steps": len(timed), "cost": {"a": a, "b": b, "c": c, "d": d, "source": source}}
 
 
 def _shape_counts(results: list[StepResult]) -> dict[str, int]:

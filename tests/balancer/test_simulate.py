@@ -250,6 +250,14 @@ def test_replay_predicts_a_run_that_follows_the_model(planner, engine, runtime, 
     assert replay["steps"] == 4 and replay["cost"]["source"].startswith("fit")
     assert replay["ratio"] == pytest.approx(1.0, rel=1e-6), replay
     assert replay["measured_s"] < 4 * 100.0
+    # The balance bound of the same timed minibatches at the same cost: no whole-sample plan is faster, and the
+    # planned step is not faster than it either (measured / bound is what any plan could still gain).
+    from ds_odc.balancer.simulate import Machine, balance_bound
+    fitted = FittedCost(**{k: replay["cost"][k] for k in "abc"})
+    bounds = [balance_bound(np.asarray(lengths[i * ranks * per_rank:(i + 1) * ranks * per_rank]), ranks, max_tokens,
+                            "truncate", Machine(fitted))[1] + replay["cost"]["d"] for i in range(1, 5)]
+    assert replay["bound_s"] == pytest.approx(sum(bounds), rel=1e-9)
+    assert replay["bound_s"] <= replay["measured_s"] * (1 + 1e-9)
 
     given = replay_run(metrics, lengths, cost=replay["cost"])  # a cost measured elsewhere: here the same one
     assert given["ratio"] == replay["ratio"] and given["cost"]["source"] == replay["cost"]["source"]
