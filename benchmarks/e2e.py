@@ -372,8 +372,9 @@ def print_replays(results: dict[str, dict], calibrate_on: str | None = None) -> 
             other = f"{other:.2f}x"
         except (KeyError, ValueError):
             other = "-"
+        headroom = f"{replay['measured_s'] / replay['bound_s']:.2f}x" if replay["bound_s"] > 0 else "-"
         print(f"{mode:<34}{replay['measured_s'] / n:>16.3f}{replay['predicted_s'] / n:>11.3f}"
-              f"{replay['ratio']:>19.2f}x{replay['bound_s'] / n:>8.3f}{replay['measured_s'] / replay['bound_s']:>15.2f}x"
+              f"{replay['ratio']:>19.2f}x{replay['bound_s'] / n:>8.3f}{headroom:>16}"
               f"{other:>{len(cross) + 3}}   {cost['source']}: a={cost['a']:.3g} b={cost['b']:.3g} c={cost['c']:.3g} "
               f"d={cost['d']:.3g}")
     print("bound: the balance bound of the run's own minibatches at its own cost (its fitted speed): no plan that "
