@@ -21,6 +21,7 @@ ZeRO-3 and the whole model under plain. Nothing is downloaded: the tokenizer is 
 | ``plain`` | ``trl.GRPOTrainer`` without DeepSpeed (``deepspeed=None``): unsharded, one rank, bf16 weights on a GPU |
 | ``odc-padded`` | ``OdcGRPOTrainer(padding_free=False)``: padded microbatches up to the stock microbatch's size |
 | ``odc-packed`` | ``OdcGRPOTrainer(padding_free=True)``: packed rows (``ds_odc_varlen``) of the same token budget |
+| ``odc-equal-packed`` | ``odc-packed`` with ``balancer_planner="lb-micro"``: the same count of microbatches on every rank, without meetings; beside the two other packed modes it splits ODC's gain over the lock-step baseline into the meetings removed and lb-mini's uneven counts |
 | ``lockstep-packed`` | ``odc-packed`` with ``odc.lockstep`` and ``balancer_planner="lb-micro"``: the same count of microbatches on every rank (what TRL and verl force) and every rank meeting every other at each block, as collective ZeRO-3 makes them; the collective baseline where NCCL cannot run (ranks on SM partitions of one GPU) |
 
 ``plain`` is the unsharded baseline: TRL's trainer with the stock mode's config less its DeepSpeed config, so the
@@ -63,9 +64,10 @@ from pathlib import Path
 
 from _modes import (adapters_in_model_dtype, finish_worker, model_folder,  # benchmarks/_modes.py
                     run_modes_on_random_model)
-MODES = ("stock", "plain", "odc-padded", "odc-packed", "lockstep-packed")
+MODES = ("stock", "plain", "odc-padded", "odc-packed", "odc-equal-packed", "lockstep-packed")
 DEFAULT_MODES = ("stock", "plain", "odc-padded", "odc-packed")
-PARTITION_MODES = ("odc-packed", "lockstep-packed")  # --partition-gpu: NCCL refuses two ranks on one GPU
+PARTITION_MODES = ("odc-packed", "lockstep-packed")  # --partition-gpu's default
+PARTITION_ALLOWED = PARTITION_MODES + ("odc-equal-packed",)  # no collectives: NCCL refuses two ranks on one GPU
 PLAIN = "plain"  # TRL's trainer without DeepSpeed: the unsharded baseline, one rank only
 KERNELS = ("eager", "compiled", "fused", "compiled+fused")
 
@@ -82,6 +84,16 @@ def mode_file(mode: str) -> str:
     return mode.replace("/", "-") + ".json"
 SHAPES = {"1.5b": "qwen2.5-1.5b", "0.5b": "qwen2.5-0.5b", "tiny": "tiny"}
 SMALL = dict(prompts=4, generations=4, prompt_len=24, min_completion=2, max_completion=48, per_device_batch=4)
+
+
+def odc_settings(mode: str) -> dict | None:
+    """What an ODC mode sets (None: stock or plain): its rows (``padding_free``), its planner and whether its ranks
+    meet at every block (``lockstep``)."""
+    if not mode.startswith(("odc", "lockstep")):
+        return None
+    equal_counts = mode.startswith("lockstep") or mode == "odc-equal-packed"
+    return {"padding_free": mode.endswith("-packed"), "planner": "lb-micro" if equal_counts else "lb-mini",
+            "lockstep": mode.startswith("lockstep")}
 
 
 def parse_args(argv=None):
@@ -112,15 +124,16 @@ def parse_args(argv=None):
                    help="torch.compile backend of the compiled modes (aot_eager: CPU smoke runs)")
     p.add_argument("--partition-gpu", action="store_true",
                    help="run the --ranks ranks of every mode on SM partitions of GPU 0 (CUDA MPS, 100/ranks percent of "
-                        f"the SMs each; ds_odc.training.partition); modes {', '.join(PARTITION_MODES)} (the default)")
+                        f"the SMs each; ds_odc.training.partition); modes {', '.join(PARTITION_ALLOWED)} (default: "
+                        f"{', '.join(PARTITION_MODES)})")
     p.add_argument("--worker", help=argparse.SUPPRESS)
     args = p.parse_args(argv)
     args.modes = args.modes or ",".join(PARTITION_MODES if args.partition_gpu else
                                         (m for m in DEFAULT_MODES if m != PLAIN or args.ranks == 1))
     for mode in args.modes.split(","):
-        if args.partition_gpu and split_mode(mode)[0] not in PARTITION_MODES:
+        if args.partition_gpu and split_mode(mode)[0] not in PARTITION_ALLOWED:
             p.error(f"mode {mode!r} needs collectives between the ranks, which NCCL refuses on one GPU: with "
-                    f"--partition-gpu run {', '.join(PARTITION_MODES)}")
+                    f"--partition-gpu run {', '.join(PARTITION_ALLOWED)}")
         if split_mode(mode)[0] == PLAIN and args.ranks != 1:
             p.error(f"mode {mode!r} trains unsharded on one rank (no DeepSpeed, no gradient communication): run it "
                     f"with --ranks 1, or leave it out of --modes")
@@ -171,9 +184,10 @@ def run_worker(args) -> dict:
     world, rank = dist.get_world_size(), dist.get_rank()
     rows_per_rank = args.prompts * args.generations // world
     zero = {"stage": 3, "overlap_comm": False, "contiguous_gradients": True, "stage3_param_persistence_threshold": 0}
-    odc = mode.startswith(("odc", "lockstep"))
+    settings = odc_settings(mode)
+    odc = settings is not None
     if odc:
-        zero["odc"] = {"enabled": True, "timeout_s": 600, "lockstep": mode.startswith("lockstep")}
+        zero["odc"] = {"enabled": True, "timeout_s": 600, "lockstep": settings["lockstep"]}
     ds_config = {"train_micro_batch_size_per_gpu": "auto", "gradient_accumulation_steps": "auto",
                  "train_batch_size": "auto", "gradient_clipping": "auto", "bf16": {"enabled": "auto"},
                  "zero_optimization": zero, "zero_allow_untested_optimizer": True, "steps_per_print": 10**9}
@@ -280,9 +294,7 @@ def run_worker(args) -> dict:
     if args.rollout == "scripted":
         kwargs["rollout_func"] = scripted
     if odc:
-        kwargs["padding_free"] = mode.endswith("-packed")
-    if mode.startswith("lockstep"):
-        kwargs["balancer_planner"] = "lb-micro"
+        kwargs.update(padding_free=settings["padding_free"], balancer_planner=settings["planner"])
     timer = StepTimer()
     trainer = timer.trainer = cls(model, callbacks=[timer], peft_config=lora_config(args.lora), **kwargs)
     if args.lora and mode == PLAIN:

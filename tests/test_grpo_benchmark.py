@@ -38,20 +38,42 @@ def test_grpo_benchmark_on_cpu(tmp_path):
 
 
 def test_grpo_lockstep_baseline_and_waits_on_cpu(tmp_path):
-    """The partitions' pair at two ranks: ODC's lock-step baseline (equal counts, per-block meetings) trains the same
-    losses as ODC + lb-mini, and both report how much of their steps the ranks spent waiting for each other."""
+    """The partitions' modes at two ranks: ODC's lock-step baseline (equal counts, per-block meetings) and ODC with
+    equal counts but no meetings train the same losses as ODC + lb-mini, the equal-count modes give every rank the
+    same number of microbatches, and every mode reports how much of its steps the ranks spent waiting."""
     pytest.importorskip("trl")
     cmd = [sys.executable, str(ROOT / "benchmarks" / "grpo.py"), "--out", str(tmp_path), "--model", "tiny",
-           "--ranks", "2", "--modes", "odc-packed,lockstep-packed", "--steps", "2", "--mode-timeout", "240"]
+           "--ranks", "2", "--modes", "odc-packed,odc-equal-packed,lockstep-packed", "--steps", "2",
+           "--mode-timeout", "240", "--per-device-batch", "2"]
     proc = subprocess.run(cmd, env=cpu_env(), capture_output=True, text=True, timeout=600)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     results = json.loads((tmp_path / "grpo.json").read_text())
-    odc, lockstep = results["odc-packed"], results["lockstep-packed"]
-    for r in (odc, lockstep):
+    odc, equal, lockstep = results["odc-packed"], results["odc-equal-packed"], results["lockstep-packed"]
+    for r in (odc, equal, lockstep):
         assert 0.0 <= r["wait_share"] < 1.0 and all("wait_s" in step for step in r["steps"]), r
-    assert all(abs(a - b) <= 1e-5 * max(abs(b), 1.0) for a, b in zip(lockstep["loss"], odc["loss"], strict=True))
+    for r in (equal, lockstep):
+        assert all(abs(a - b) <= 1e-5 * max(abs(b), 1.0) for a, b in zip(r["loss"], odc["loss"], strict=True))
+        assert all(len(set(counts)) == 1 for counts in r["microbatches"]), r["microbatches"]
+    assert equal["microbatches"] == lockstep["microbatches"]  # the same plan, with and without the meetings
     table = (tmp_path / "grpo.md").read_text()
     assert f"| {lockstep['wait_share']:.1%} |" in table, table
+
+
+def test_grpo_modes_set_their_planner_and_meetings(monkeypatch):
+    """Each ODC mode's trainer settings: the partitions' three packed modes differ in exactly the planner and the
+    meetings, so their table splits ODC's gain into the two."""
+    import importlib.util
+
+    monkeypatch.syspath_prepend(str(ROOT / "benchmarks"))  # the script's own helpers, as when it runs
+    spec = importlib.util.spec_from_file_location("grpo_benchmark", ROOT / "benchmarks" / "grpo.py")
+    grpo = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(grpo)
+    assert grpo.odc_settings("stock") is None and grpo.odc_settings("plain") is None
+    assert grpo.odc_settings("odc-padded") == {"padding_free": False, "planner": "lb-mini", "lockstep": False}
+    assert grpo.odc_settings("odc-packed") == {"padding_free": True, "planner": "lb-mini", "lockstep": False}
+    assert grpo.odc_settings("odc-equal-packed") == {"padding_free": True, "planner": "lb-micro", "lockstep": False}
+    assert grpo.odc_settings("lockstep-packed") == {"padding_free": True, "planner": "lb-micro", "lockstep": True}
+    assert set(grpo.PARTITION_ALLOWED) == {m for m in grpo.MODES if m.endswith("-packed")}
 
 
 def test_grpo_benchmark_refuses_plain_on_several_ranks(tmp_path):
