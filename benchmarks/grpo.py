@@ -41,9 +41,11 @@ layer kernels would). The table then gives each such mode's training phase again
     python benchmarks/grpo.py --out runs/grpo --modes odc-packed,odc-packed/compiled+fused
 
 Between ranks on one GPU, ``--partition-gpu`` puts each of the ``--ranks`` ranks on its share of GPU 0's SMs (CUDA MPS)
-and compares ODC + LB-Mini with its lock-step baseline on equal counts, the modes NCCL does not need:
+and compares ODC + LB-Mini with its lock-step baseline on equal counts, the modes NCCL does not need; adding
+``odc-equal-packed`` (the baseline's equal counts without its meetings) splits the gain in two:
 
     python benchmarks/grpo.py --out runs/grpo-partitions --ranks 4 --partition-gpu
+    python benchmarks/grpo.py --out runs/grpo-partitions --ranks 4 --partition-gpu --modes odc-packed,odc-equal-packed,lockstep-packed
 
 Per optimizer step after ``--warmup`` steps: the step's wall time (first microbatch to the end of the optimizer step,
 device synchronised), the rollout's time inside it, and the training phase (step less rollout: scoring, old /
