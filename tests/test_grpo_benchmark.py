@@ -54,7 +54,6 @@ def test_grpo_lockstep_baseline_and_waits_on_cpu(tmp_path):
     for r in (equal, lockstep):
         assert all(abs(a - b) <= 1e-5 * max(abs(b), 1.0) for a, b in zip(r["loss"], odc["loss"], strict=True))
         assert all(len(set(counts)) == 1 for counts in r["microbatches"]), r["microbatches"]
-    assert equal["microbatches"] == lockstep["microbatches"]  # the same plan, with and without the meetings
     table = (tmp_path / "grpo.md").read_text()
     assert f"| {lockstep['wait_share']:.1%} |" in table, table
 
