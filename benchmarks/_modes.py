@@ -98,12 +98,12 @@ def run_modes_on_random_model(script: str, modes: Sequence[str], worker_args: Se
         shutil.rmtree(folder, ignore_errors=True)
 
 
-def finish_worker(path: Path, result: dict) -> int:
-    """The end of a mode's worker: its result written to ``path`` (by rank 0), then every rank leaves together."""
+def finish_worker(path: Path, result: dict) -> None:
+    """The end of a mode's worker: its result written to ``path`` (by rank 0), then every rank leaves together and
+    the process exits at once (``shutdown_and_exit``: gloo's threads sometimes abort a finished run at exit)."""
     import torch.distributed as dist
+
+    from ds_odc.training.distributed import shutdown_and_exit
     if not dist.is_initialized() or dist.get_rank() == 0:
         Path(path).write_text(json.dumps(result))
-    if dist.is_initialized():
-        dist.barrier()
-        dist.destroy_process_group()
-    return 0
+    shutdown_and_exit(0)

@@ -21,6 +21,7 @@ import torch
 import torch.distributed as dist
 
 from ds_odc.training.collate import PackedCollator
+from ds_odc.training.distributed import shutdown_and_exit
 from ds_odc.balancer.planners import get_planner
 from ds_odc.balancer.sampler import BalancedBatchSampler
 from ds_odc.training.loss import global_mean_weight
@@ -116,8 +117,8 @@ def main():
                   f"{args.profile_dir}/", flush=True)
         print(f"summary: loss {summary['final_loss']:.5f}  samples/s {summary['samples_per_s']:.3f}  "
               f"time {total:.2f}s", flush=True)
-    dist.barrier()
-    dist.destroy_process_group()
+    # every rank leaves together and exits at once: gloo's threads sometimes abort a finished run at exit
+    shutdown_and_exit()
 
 
 if __name__ == "__main__":
