@@ -37,4 +37,8 @@ total = torch.tensor([rank + 1.0])
 deepspeed.comm.inference_all_reduce(total)
 if rank == 0:
     emit({"requested": requested, "init_s": elapsed, "sum": total.item(), "expected": world * (world + 1) / 2})
-torch.distributed.destroy_process_group()
+# The launcher's convention (every rank leaves together, no exit-time abort of gloo's threads), imported only now:
+# importing ds_odc earlier would change what the --without-ds-odc case measures.
+from ds_odc.training.distributed import shutdown_and_exit  # noqa: E402
+
+shutdown_and_exit()
