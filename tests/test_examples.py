@@ -1,6 +1,5 @@
 """The main job (examples/compare.py -> examples/sft.py) on 2 CPU ranks: four modes, one loss curve."""
 
-import importlib.util
 import json
 import re
 import statistics
@@ -11,17 +10,10 @@ from pathlib import Path
 import pytest
 
 from _support.launch import cpu_env
+from _support.scripts import load_script
 
 ROOT = Path(__file__).resolve().parent.parent
 pytestmark = pytest.mark.slow
-
-
-def _load(script: Path):
-    """A script of examples/ or benchmarks/ as a module (its main does not run)."""
-    spec = importlib.util.spec_from_file_location(script.stem, script)
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
 
 
 def test_stock_and_odc_modes_give_the_same_loss_curve(tmp_path):
@@ -85,7 +77,7 @@ def test_stock_and_odc_modes_give_the_same_loss_curve(tmp_path):
 def test_the_main_job_refuses_modes_that_would_draw_other_minibatches():
     """The main job's check before training: samplers that cut other minibatches (here another seed) are named."""
     from ds_odc.balancer.sampler import BalancedBatchSampler
-    job = _load(ROOT / "examples" / "compare.py")
+    job = load_script(ROOT / "examples" / "compare.py")
 
     def sampler(seed: int) -> BalancedBatchSampler:
         return BalancedBatchSampler(list(range(2, 42)), world_size=2, rank=0, minibatch_size=2, max_tokens=None,
@@ -179,7 +171,7 @@ def test_e2e_benchmark_pipeline_on_cpu(tmp_path):
     assert stock_loop["config"]["loop"] == "stock" and stock_loop["profile_rank0"]["layer_forward_calls"] > 0
     for a, b in zip(stock_loop["steps"], recipe_loop["steps"], strict=True):  # the same minibatches, the same loss
         assert abs(a["loss"] - b["loss"]) <= 1e-5 * abs(b["loss"])
-    e2e = _load(ROOT / "benchmarks" / "e2e.py")
+    e2e = load_script(ROOT / "benchmarks" / "e2e.py")
     assert e2e.parse_mode("odc+lb-mini/stock-loop", "longtail").rows == e2e.parse_mode("fsdp2", "longtail").rows
     with pytest.raises(SystemExit, match="fsdp2/stock-loop.*does not run DeepSpeed"):
         e2e.parse_mode("fsdp2/stock-loop", "longtail")

@@ -9,6 +9,7 @@ from pathlib import Path
 import pytest
 
 from _support.launch import cpu_env
+from _support.scripts import load_script
 
 ROOT = Path(__file__).resolve().parent.parent
 pytestmark = pytest.mark.slow
@@ -58,15 +59,10 @@ def test_grpo_lockstep_baseline_and_waits_on_cpu(tmp_path):
     assert f"| {lockstep['wait_share']:.1%} |" in table, table
 
 
-def test_grpo_modes_set_their_planner_and_meetings(monkeypatch):
+def test_grpo_modes_set_their_planner_and_meetings():
     """Each ODC mode's trainer settings: the partitions' three packed modes differ in exactly the planner and the
     meetings, so their table splits ODC's gain into the two."""
-    import importlib.util
-
-    monkeypatch.syspath_prepend(str(ROOT / "benchmarks"))  # the script's own helpers, as when it runs
-    spec = importlib.util.spec_from_file_location("grpo_benchmark", ROOT / "benchmarks" / "grpo.py")
-    grpo = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(grpo)
+    grpo = load_script(ROOT / "benchmarks" / "grpo.py")
     assert grpo.odc_settings("stock") is None and grpo.odc_settings("plain") is None
     assert grpo.odc_settings("odc-padded") == {"padding_free": False, "planner": "lb-mini", "lockstep": False}
     assert grpo.odc_settings("odc-packed") == {"padding_free": True, "planner": "lb-mini", "lockstep": False}
