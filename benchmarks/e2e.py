@@ -25,9 +25,8 @@ over between machines). Every mode is compared like for like: with FSDP2 and wit
 the simulator beside every run: its step time predicted from the run's own minibatches, planner and sync, with the
 cost fitted to the run's timed steps (``ds_odc.balancer.simulate.replay_run``), and the balance bound of those
 minibatches at that cost: a baseline's measured/bound is the most any whole-sample plan could gain over it at its own
-speed. On a machine without CUDA (smoke
-runs with ``--model tiny``) every mode computes in fp32, as FSDP2 and plain training do there: the DeepSpeed modes
-get their config with ``bf16`` off.
+speed. On a machine without CUDA (smoke runs with ``--model tiny``) every mode computes in fp32, as FSDP2 and plain
+training do there: the DeepSpeed modes get their config with ``bf16`` off.
 
 Kernels: a mode option ``/compiled`` (every transformer block through ``torch.compile``, dynamic lengths),
 ``/fused`` (Liger's kernels) or ``/compiled+fused`` (compiled blocks plus Liger's fused linear cross-entropy on the
